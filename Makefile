@@ -1,0 +1,36 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   - install everything, then run `flowkv demo`
+#   make test   - install everything, then run the whole test suite
+# The virtual environment lives outside the checkout so that every clone
+# (a CI clone included) reuses it; it is rebuilt when pyproject.toml changes.
+PYTHON ?= python3
+VENV ?= $(HOME)/.cache/flowkv/venv
+BIN := $(VENV)/bin
+DEPS_STAMP := $(VENV)/.deps-$(shell sha1sum pyproject.toml | cut -c1-12)
+PYTEST_ARGS ?=
+
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup demo test bench
+setup: $(DEPS_STAMP)
+	@$(BIN)/pip install -q --no-deps --no-build-isolation -e . >/dev/null
+	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
+
+$(DEPS_STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip setuptools wheel
+	$(BIN)/pip install -q ".[cpu,dev]"
+	# PyPI's torchvision/torchaudio break `import vllm` beside torch 2.13.0+cpu.
+	-$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	@rm -f $(VENV)/.deps-*
+	@touch $@
+
+demo: setup
+	$(BIN)/flowkv demo
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/flowkv bench runner

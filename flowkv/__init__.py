@@ -1,0 +1,1 @@
+"""flowkv: a KV-cache layer for LLM inference."""
