@@ -1,1 +1,38 @@
-"""flowkv: a KV-cache layer for LLM inference."""
+"""flowkv: a KV-cache layer for LLM inference.
+
+Store and retrieve are TOML-declared pipelines of generator stages; every
+stage run is an OpenTelemetry span; the vLLM connector lives in
+``flowkv.integration.vllm``.
+"""
+
+from flowkv.items import Chunk, Request, RunContext
+from flowkv.pipeline import Diagnostic, Pipeline, PipelineError, load_pipeline, loads_pipeline
+from flowkv.registry import stage, tier
+from flowkv.runner import Runner, StageError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheEngine",
+    "Chunk",
+    "Diagnostic",
+    "Pipeline",
+    "PipelineError",
+    "Request",
+    "RunContext",
+    "Runner",
+    "StageError",
+    "load_pipeline",
+    "loads_pipeline",
+    "stage",
+    "tier",
+]
+
+
+def __getattr__(name: str):
+    # The engine pulls in torch-heavy parts; import it only when asked for.
+    if name == "CacheEngine":
+        from flowkv.engine import CacheEngine
+
+        return CacheEngine
+    raise AttributeError(f"module 'flowkv' has no attribute {name!r}")

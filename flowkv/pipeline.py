@@ -1,0 +1,580 @@
+"""Pipeline files: the model, and loading that explains every mistake.
+
+A pipeline file declares one pipeline set::
+
+    [pipeline]
+    name = "local-cpu"
+    chunk_size = 256
+    hash = "sha256_cbor"
+
+    [tiers.memory]
+    kind = "memory"
+    capacity = "4GiB"
+
+    [[store.stages]]
+    use = "tokenize"
+    ...
+
+Loading runs in phases, each pure spec -> spec, and collects every problem
+before anything runs: parse the TOML; check the sections and keys; resolve
+stage and tier names through the registry; structure each table into its
+attrs config class with cattrs (unknown keys rejected); check the whole
+pipeline (stage kinds, item facets between neighbours, tier references,
+sizes). Each problem is a ``Diagnostic`` printed as ``FILE:LINE:COL: message``.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import cattrs
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
+
+from flowkv import registry
+from flowkv._tomlpos import key_positions, locate
+from flowkv.registry import RegistryError, StageInfo, TierInfo, did_you_mean
+from flowkv.sizes import parse_size
+
+# -- the model ----------------------------------------------------------------
+
+
+@attrs.frozen
+class Location:
+    """Where a thing was declared."""
+
+    file: str
+    line: int
+    col: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
+    @property
+    def short(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+@attrs.frozen
+class StageSpec:
+    """One ``[[store.stages]]`` (or retrieve/lookup) table, resolved and structured."""
+
+    use: str  # the name as written
+    info: StageInfo
+    config: Any  # instance of info.config_cls: every effective setting, defaults included
+    index: int  # position in its list
+    location: Location
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    def settings(self) -> dict[str, Any]:
+        return attrs.asdict(self.config, recurse=False)
+
+
+@attrs.frozen
+class TierSpec:
+    """One ``[tiers.NAME]`` table."""
+
+    name: str
+    kind: str
+    info: TierInfo
+    config: Any  # instance of info.config_cls
+    location: Location
+
+
+@attrs.frozen
+class PipelineSection:
+    name: str = "unnamed"
+    chunk_size: int = 256
+    # Chunk hash function; "auto" is vLLM's sha256_cbor when vLLM imports, else sha256.
+    hash: str = "auto"
+    # Store the last chunk of a request even when it holds fewer than chunk_size tokens.
+    save_partial_chunks: bool = False
+    # Pins taken by lookup are dropped after this long if no retrieve comes.
+    pin_timeout_s: float = 30.0
+    description: str = ""
+
+
+@attrs.frozen
+class LayerwiseSpec:
+    enabled: bool = False
+
+
+@attrs.frozen
+class TelemetrySpec:
+    exporter: Literal["none", "console", "otlp", "file"] = "none"
+    endpoint: str | None = None  # otlp: e.g. "http://localhost:4317"
+    protocol: Literal["grpc", "http/protobuf"] = "grpc"
+    folder: str = "traces"  # file: where OTLP-JSON trace files go
+    sampling: float = 1.0  # fraction of runs traced
+    service_name: str = "flowkv"
+
+
+@attrs.frozen
+class VllmSpec:
+    """Settings the vLLM connector reads."""
+
+    save_decode: bool = False  # also store KV of generated tokens
+    lookup_timeout_ms: int = 200  # the scheduler answers 0 hits past this
+
+
+@attrs.frozen
+class Pipeline:
+    """A loaded, checked pipeline set."""
+
+    name: str
+    source: str  # file path, or "<string>"
+    section: PipelineSection
+    tiers: dict[str, TierSpec]  # in declaration order = lookup order
+    store: tuple[StageSpec, ...]
+    retrieve: tuple[StageSpec, ...]
+    lookup: tuple[StageSpec, ...]
+    layerwise: LayerwiseSpec
+    telemetry: TelemetrySpec
+    vllm: VllmSpec
+
+    @property
+    def chunk_size(self) -> int:
+        return self.section.chunk_size
+
+    def stages(self, kind: str) -> tuple[StageSpec, ...]:
+        return {"store": self.store, "retrieve": self.retrieve, "lookup": self.lookup}[kind]
+
+
+# -- diagnostics --------------------------------------------------------------
+
+
+@attrs.frozen
+class Diagnostic:
+    file: str
+    line: int
+    col: int
+    message: str
+    # syntax, unknown-key, missing-key, invalid-value, unknown-stage, unknown-tier,
+    # module-not-found, attribute-not-found, misuse, duplicate, graph
+    kind: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}: {self.message}"
+
+
+class PipelineError(ValueError):
+    """Every problem found in a pipeline file, one ``FILE:LINE:COL: message`` per line."""
+
+    def __init__(self, diagnostics: list[Diagnostic]) -> None:
+        self.diagnostics = sorted(diagnostics, key=lambda d: (d.file, d.line, d.col))
+        super().__init__("\n".join(str(d) for d in self.diagnostics))
+
+
+# -- finding pipeline files ----------------------------------------------------
+
+
+def builtin_pipelines() -> dict[str, Path]:
+    """Built-in pipeline files by name (``local-cpu`` -> ``.../local-cpu.toml``)."""
+    root = importlib.resources.files("flowkv.pipelines")
+    return {
+        Path(entry.name).stem: Path(str(entry))
+        for entry in root.iterdir()
+        if entry.name.endswith(".toml")
+    }
+
+
+def resolve_source(name_or_path: str | Path) -> Path:
+    """A path to a pipeline file, from a built-in name or a path."""
+    candidate = Path(name_or_path)
+    if candidate.suffix == ".toml" or candidate.exists() or "/" in str(name_or_path):
+        if not candidate.exists():
+            raise FileNotFoundError(f"pipeline file not found: {candidate}")
+        return candidate
+    builtins = builtin_pipelines()
+    if str(name_or_path) in builtins:
+        return builtins[str(name_or_path)]
+    raise FileNotFoundError(
+        f"no built-in pipeline named '{name_or_path}'{did_you_mean(str(name_or_path), builtins)} "
+        f"(built-ins: {', '.join(sorted(builtins))}; or give a path to a .toml file)"
+    )
+
+
+# -- loading ------------------------------------------------------------------
+
+_SECTIONS = {
+    "pipeline": PipelineSection,
+    "tiers": None,
+    "store": None,
+    "retrieve": None,
+    "lookup": None,
+    "layerwise": LayerwiseSpec,
+    "telemetry": TelemetrySpec,
+    "vllm": VllmSpec,
+}
+_SIZE_FIELDS = ("capacity", "max_bytes", "slab_size")
+
+
+def _make_converter() -> cattrs.Converter:
+    converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+
+    def strict(kind: type) -> Any:
+        def structure(value: Any, _: Any) -> Any:
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                return float(value)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ValueError(f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
+            return value
+
+        return structure
+
+    for kind in (int, float, str, bool):
+        converter.register_structure_hook(kind, strict(kind))
+    return converter
+
+
+_converter = _make_converter()
+
+
+def load_pipeline(
+    source: str | Path, *, overrides: Mapping[str, Any] | None = None
+) -> Pipeline:
+    """Load and check a pipeline file (a built-in name or a path).
+
+    ``overrides`` replaces settings by dotted path before checking, e.g.
+    ``{"pipeline.chunk_size": 128, "tiers.memory.capacity": "1GiB"}``; a bare
+    key (``chunk_size``) means one of ``[pipeline]``.
+    Raises ``PipelineError`` listing every problem.
+    """
+    path = resolve_source(source)
+    return loads_pipeline(path.read_text(encoding="utf-8"), file=str(path), overrides=overrides)
+
+
+def loads_pipeline(
+    text: str, *, file: str = "<string>", overrides: Mapping[str, Any] | None = None
+) -> Pipeline:
+    """Load and check a pipeline from TOML text."""
+    return _Loader(text, file, overrides or {}).load()
+
+
+class _Loader:
+    def __init__(self, text: str, file: str, overrides: Mapping[str, Any]) -> None:
+        self.text = text
+        self.file = file
+        self.overrides = overrides
+        self.diagnostics: list[Diagnostic] = []
+        self.positions: dict[tuple[str | int, ...], tuple[int, int]] = {}
+
+    def error(self, path: tuple[str | int, ...], message: str, kind: str) -> None:
+        line, col = locate(self.positions, path)
+        self.diagnostics.append(Diagnostic(self.file, line, col, message, kind))
+
+    def loc(self, path: tuple[str | int, ...]) -> Location:
+        line, col = locate(self.positions, path)
+        return Location(self.file, line, col)
+
+    # phase 1: parse
+    def load(self) -> Pipeline:
+        try:
+            raw = tomllib.loads(self.text)
+        except tomllib.TOMLDecodeError as exc:
+            line, col = _syntax_position(exc)
+            message = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(exc))
+            raise PipelineError(
+                [Diagnostic(self.file, line, col, f"TOML syntax: {message}", "syntax")]
+            ) from None
+        self.positions = key_positions(self.text)
+        self.apply_overrides(raw)
+        pipeline = self.structure(raw)
+        if self.diagnostics or pipeline is None:
+            raise PipelineError(self.diagnostics)
+        return pipeline
+
+    def apply_overrides(self, raw: dict[str, Any]) -> None:
+        for dotted, value in self.overrides.items():
+            parts = dotted.split(".")
+            if len(parts) == 1:
+                parts = ["pipeline", *parts]
+            table = raw
+            for part in parts[:-1]:
+                table = table.setdefault(part, {})
+                if not isinstance(table, dict):
+                    self.diagnostics.append(
+                        Diagnostic(self.file, 1, 1, f"override '{dotted}': '{part}' is not a table", "invalid-value")
+                    )
+                    break
+            else:
+                table[parts[-1]] = value
+
+    # phases 2-4: sections, names, structure
+    def structure(self, raw: dict[str, Any]) -> Pipeline | None:
+        for key in raw:
+            if key not in _SECTIONS:
+                self.error(
+                    (key,),
+                    f"unknown section '{key}'{did_you_mean(key, _SECTIONS)} "
+                    f"(sections: {', '.join(_SECTIONS)})",
+                    "unknown-key",
+                )
+        section = self.structure_table(raw, "pipeline", PipelineSection)
+        layerwise = self.structure_table(raw, "layerwise", LayerwiseSpec)
+        telemetry = self.structure_table(raw, "telemetry", TelemetrySpec)
+        vllm = self.structure_table(raw, "vllm", VllmSpec)
+        tiers = self.structure_tiers(raw.get("tiers", {}))
+        lists: dict[str, tuple[StageSpec, ...]] = {}
+        for kind in ("store", "retrieve", "lookup"):
+            lists[kind] = self.structure_stages(raw, kind)
+        if "lookup" not in raw:
+            # Without its own list, lookup runs the head of retrieve that may run in lookup.
+            head = []
+            for spec in lists["retrieve"]:
+                if "lookup" not in spec.info.kinds:
+                    break
+                head.append(spec)
+            lists["lookup"] = tuple(head)
+        self.check(section, telemetry, tiers, lists, raw)
+        if section is None or layerwise is None or telemetry is None or vllm is None:
+            return None
+        return Pipeline(
+            name=section.name,
+            source=self.file,
+            section=section,
+            tiers=tiers,
+            store=lists["store"],
+            retrieve=lists["retrieve"],
+            lookup=lists["lookup"],
+            layerwise=layerwise,
+            telemetry=telemetry,
+            vllm=vllm,
+        )
+
+    def structure_table(self, raw: dict[str, Any], key: str, cls: type) -> Any:
+        table = raw.get(key, {})
+        if not isinstance(table, dict):
+            self.error((key,), f"'{key}' must be a table ([{key}])", "invalid-value")
+            return None
+        return self.structure_config(table, cls, (key,), what=f"[{key}]")
+
+    def structure_config(
+        self, table: dict[str, Any], cls: type, path: tuple[str | int, ...], *, what: str
+    ) -> Any:
+        """Structure ``table`` into ``cls``, reporting each bad key at its line."""
+        names = [f.name for f in attrs.fields(cls)]
+        table = dict(table)
+        for field_name in _SIZE_FIELDS:
+            if field_name in table and field_name in names:
+                try:
+                    table[field_name] = parse_size(table[field_name])
+                except ValueError as exc:
+                    self.error(path + (field_name,), f"{what} {field_name}: {exc}", "invalid-value")
+                    return None
+        try:
+            return _converter.structure(table, cls)
+        except ClassValidationError as group:
+            self.report_validation(group, path, what, names)
+        except Exception as exc:  # an attrs validator or __attrs_post_init__ refused it
+            self.error(path, f"{what}: {exc}", "invalid-value")
+        return None
+
+    def report_validation(
+        self,
+        group: BaseException,
+        path: tuple[str | int, ...],
+        what: str,
+        names: list[str],
+    ) -> None:
+        for exc, note in _leaves(group):
+            if isinstance(exc, ForbiddenExtraKeysError):
+                for extra in sorted(exc.extra_fields):
+                    self.error(
+                        path + (extra,),
+                        f"{what}: unknown key '{extra}'{did_you_mean(extra, names)} "
+                        f"(valid keys: {', '.join(names) or 'none'})",
+                        "unknown-key",
+                    )
+            elif isinstance(exc, KeyError) and note is not None:
+                self.error(path, f"{what}: missing required key '{note}'", "missing-key")
+            else:
+                field_path = path + ((note,) if note else ())
+                label = f"{what} {note}" if note else what
+                self.error(field_path, f"{label}: {_plain(exc)}", "invalid-value")
+
+    def structure_tiers(self, tables: Any) -> dict[str, TierSpec]:
+        tiers: dict[str, TierSpec] = {}
+        if not isinstance(tables, dict):
+            self.error(("tiers",), "'tiers' must hold [tiers.NAME] tables", "invalid-value")
+            return tiers
+        for name, table in tables.items():
+            path = ("tiers", name)
+            if not isinstance(table, dict):
+                self.error(path, f"tier '{name}' must be a table [tiers.{name}]", "invalid-value")
+                continue
+            kind = table.get("kind", name if name in registry.BUILTIN_TIERS else None)
+            if kind is None:
+                self.error(path, f"tier '{name}': missing required key 'kind'", "missing-key")
+                continue
+            try:
+                info = registry.resolve_tier(kind)
+            except RegistryError as exc:
+                self.error(
+                    path + (("kind",) if "kind" in table else ()),
+                    f"tier '{name}': {exc}",
+                    "unknown-tier" if exc.kind == "unknown" else exc.kind,
+                )
+                continue
+            options = {k: v for k, v in table.items() if k != "kind"}
+            config = self.structure_config(options, info.config_cls, path, what=f"tier '{name}'")
+            if config is not None:
+                tiers[name] = TierSpec(name, kind, info, config, self.loc(path))
+        return tiers
+
+    def structure_stages(self, raw: dict[str, Any], kind: str) -> tuple[StageSpec, ...]:
+        section = raw.get(kind)
+        if section is None:
+            return ()
+        if not isinstance(section, dict) or set(section) - {"stages"}:
+            extra = sorted(set(section) - {"stages"}) if isinstance(section, dict) else []
+            for key in extra:
+                self.error(
+                    (kind, key),
+                    f"[{kind}]: unknown key '{key}'{did_you_mean(key, ['stages'])} "
+                    f"(declare stages as [[{kind}.stages]] tables)",
+                    "unknown-key",
+                )
+            if not isinstance(section, dict):
+                self.error((kind,), f"'{kind}' must hold [[{kind}.stages]] tables", "invalid-value")
+                return ()
+        stages = section.get("stages", [])
+        if not isinstance(stages, list):
+            self.error((kind, "stages"), f"'{kind}.stages' must be an array of tables", "invalid-value")
+            return ()
+        specs = []
+        for index, table in enumerate(stages):
+            path = (kind, "stages", index)
+            if not isinstance(table, dict):
+                self.error(path, f"[[{kind}.stages]] #{index + 1} must be a table", "invalid-value")
+                continue
+            use = table.get("use")
+            if not isinstance(use, str):
+                self.error(path, f"[[{kind}.stages]] #{index + 1}: missing required key 'use' "
+                           "(the stage name)", "missing-key")
+                continue
+            try:
+                info = registry.resolve_stage(use)
+            except RegistryError as exc:
+                self.error(
+                    path + ("use",),
+                    str(exc),
+                    "unknown-stage" if exc.kind == "unknown" else exc.kind,
+                )
+                continue
+            settings = {k: v for k, v in table.items() if k != "use"}
+            config = self.structure_config(settings, info.config_cls, path, what=f"stage '{use}'")
+            if config is not None:
+                specs.append(StageSpec(use, info, config, index, self.loc(path)))
+        return tuple(specs)
+
+    # phase 5: the whole pipeline
+    def check(
+        self,
+        section: PipelineSection | None,
+        telemetry: TelemetrySpec | None,
+        tiers: dict[str, TierSpec],
+        lists: dict[str, tuple[StageSpec, ...]],
+        raw: dict[str, Any],
+    ) -> None:
+        section = section or PipelineSection()
+        telemetry = telemetry or TelemetrySpec()
+        if section.chunk_size <= 0:
+            self.error(("pipeline", "chunk_size"),
+                       f"chunk_size must be positive, got {section.chunk_size}", "invalid-value")
+        if section.hash != "auto":
+            try:
+                from flowkv.keys import get_hash_function
+
+                get_hash_function(section.hash)
+            except ImportError:
+                pass
+            except (ValueError, KeyError) as exc:
+                self.error(("pipeline", "hash"), _plain(exc), "invalid-value")
+        if not 0.0 <= telemetry.sampling <= 1.0:
+            self.error(("telemetry", "sampling"),
+                       f"sampling must be between 0 and 1, got {telemetry.sampling}", "invalid-value")
+        if telemetry.exporter == "otlp" and not telemetry.endpoint:
+            self.error(("telemetry", "exporter"),
+                       "exporter 'otlp' needs an endpoint (e.g. endpoint = \"http://localhost:4317\")",
+                       "missing-key")
+        if "tiers" in raw and not raw["tiers"]:
+            self.error(("tiers",), "declare at least one tier", "missing-key")
+        for kind, specs in lists.items():
+            self.check_list(kind, specs, tiers)
+
+    def check_list(self, kind: str, specs: tuple[StageSpec, ...], tiers: dict[str, TierSpec]) -> None:
+        given = {"request"}
+        for spec in specs:
+            path = (kind, "stages", spec.index)
+            if kind not in spec.info.kinds:
+                self.error(path + ("use",),
+                           f"stage '{spec.name}' cannot run in a {kind} pipeline "
+                           f"(it runs in: {', '.join(sorted(spec.info.kinds))})", "graph")
+            missing = spec.info.needs - given
+            if missing:
+                providers = _providers(missing)
+                hint = f" (add {' or '.join(repr(p) for p in providers)} before it)" if providers else ""
+                self.error(path + ("use",),
+                           f"stage '{spec.name}' needs {', '.join(sorted(missing))}, which no earlier "
+                           f"stage in [[{kind}.stages]] gives{hint}", "graph")
+            given |= spec.info.gives
+            for field_name, value in spec.settings().items():
+                if field_name not in ("tier", "tiers") or value is None:
+                    continue
+                for tier_name in [value] if isinstance(value, str) else list(value):
+                    if tier_name not in tiers:
+                        self.error(path + (field_name,),
+                                   f"stage '{spec.name}': tier '{tier_name}' is not declared"
+                                   f"{did_you_mean(tier_name, tiers)} (declare [tiers.{tier_name}])",
+                                   "unknown-tier")
+
+
+def _providers(facets: set[str] | frozenset[str]) -> list[str]:
+    names = []
+    for name in registry.BUILTIN_STAGES:
+        try:
+            info = registry.resolve_stage(name)
+        except RegistryError:
+            continue
+        if info.gives & facets:
+            names.append(name)
+    return names
+
+
+def _leaves(exc: BaseException, note: str | None = None):
+    """(exception, field name) for every leaf of a cattrs validation group."""
+    if isinstance(exc, BaseExceptionGroup) and not isinstance(exc, ForbiddenExtraKeysError):
+        for sub in exc.exceptions:
+            sub_note = note
+            for n in getattr(sub, "__notes__", []):
+                name = getattr(n, "name", None)
+                if name is not None:
+                    sub_note = name
+            yield from _leaves(sub, sub_note)
+    else:
+        yield exc, note
+
+
+def _plain(exc: BaseException) -> str:
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    return str(exc) or type(exc).__name__
+
+
+def _syntax_position(exc: tomllib.TOMLDecodeError) -> tuple[int, int]:
+    line = getattr(exc, "lineno", None)
+    col = getattr(exc, "colno", None)
+    if line is None:
+        match = re.search(r"at line (\d+), column (\d+)", str(exc))
+        if match:
+            line, col = int(match.group(1)), int(match.group(2))
+    return (line or 1, col or 1)

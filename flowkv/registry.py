@@ -1,0 +1,312 @@
+"""Stages and tiers by name.
+
+Three ways to name a stage or tier kind in a pipeline file:
+
+- a built-in short name (``gather``, ``disk``), registered below as
+  name -> ``"module:attribute"`` and imported only when first used;
+- a third-party name from the ``flowkv.stages`` entry-point group of an
+  installed distribution, loaded only when used;
+- a one-off ``"pkg.module:name"`` reaching user code directly.
+
+Misuse of the decorators is caught where it happens, with the function's
+``file:line`` in the message.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.metadata
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import attrs
+
+ENTRY_POINT_GROUP = "flowkv.stages"
+PIPELINE_KINDS = ("store", "retrieve", "lookup")
+
+# Built-in stages: name -> "module:attribute", imported lazily.
+BUILTIN_STAGES: dict[str, str] = {
+    "tokenize": "flowkv.stages.chunking:tokenize",
+    "chunk-hash": "flowkv.stages.chunking:chunk_hash",
+    "allocate": "flowkv.stages.memory:allocate",
+    "gather": "flowkv.stages.transfer:gather",
+    "compress": "flowkv.stages.codec:compress",
+    "put": "flowkv.stages.memory:put",
+    "lookup": "flowkv.stages.memory:lookup",
+    "get": "flowkv.stages.memory:get",
+    "decompress": "flowkv.stages.codec:decompress",
+    "scatter": "flowkv.stages.transfer:scatter",
+    "pass-through": "flowkv.stages.basic:pass_through",
+    "take": "flowkv.stages.basic:take",
+}
+
+# Built-in tier kinds: name -> "module:attribute", imported lazily.
+BUILTIN_TIERS: dict[str, str] = {
+    "memory": "flowkv.memory:MemoryTierKind",
+    "disk": "flowkv.tiers.disk:DiskTier",
+    "redis": "flowkv.tiers.redis:RedisTier",
+}
+
+
+class RegistryError(Exception):
+    """A stage or tier could not be found or registered."""
+
+    def __init__(self, message: str, *, kind: str = "not-found") -> None:
+        super().__init__(message)
+        self.kind = kind  # "unknown", "module-not-found", "attribute-not-found", "duplicate", "misuse"
+
+
+def _where(obj: Any) -> str:
+    try:
+        file = inspect.getsourcefile(obj) or "?"
+        line = inspect.getsourcelines(obj)[1]
+        return f"{file}:{line}"
+    except (OSError, TypeError):
+        return getattr(obj, "__module__", "?")
+
+
+@attrs.frozen
+class StageInfo:
+    """What the registry knows of one stage."""
+
+    name: str
+    func: Callable[..., Any]
+    kinds: frozenset[str]  # pipeline lists it may appear in
+    needs: frozenset[str]  # item facets it reads
+    gives: frozenset[str]  # item facets it adds
+    config_cls: type  # attrs class of its settings (made from the signature when not given)
+    takes_ctx: bool  # the runner passes ctx= only when the function declares it
+    origin: str  # "module.qualname (file:line)"
+
+    def make_config(self, **settings: Any) -> Any:
+        return self.config_cls(**settings)
+
+    def config_kwargs(self, config: Any) -> dict[str, Any]:
+        return attrs.asdict(config, recurse=False)
+
+
+@attrs.frozen
+class TierInfo:
+    """What the registry knows of one tier kind."""
+
+    name: str
+    cls: type
+    config_cls: type
+    origin: str
+
+
+def _config_from_signature(func: Callable[..., Any], where: str) -> type:
+    """An attrs class whose fields are the stage's keyword-only settings."""
+    sig = inspect.signature(func)
+    params = list(sig.parameters.values())
+    if not params or params[0].kind not in (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    ):
+        raise RegistryError(
+            f"stage function {func.__qualname__} ({where}) must take the item iterator "
+            "as its first positional parameter",
+            kind="misuse",
+        )
+    fields: dict[str, Any] = {}
+    for p in params[1:]:
+        if p.name == "ctx":
+            continue
+        if p.kind is not inspect.Parameter.KEYWORD_ONLY:
+            raise RegistryError(
+                f"stage function {func.__qualname__} ({where}): setting '{p.name}' must be "
+                "keyword-only (put it after a bare '*')",
+                kind="misuse",
+            )
+        annotation = p.annotation if p.annotation is not inspect.Parameter.empty else Any
+        if isinstance(annotation, str):
+            annotation = _eval_annotation(annotation, func)
+        if p.default is inspect.Parameter.empty:
+            fields[p.name] = attrs.field(type=annotation)
+        else:
+            fields[p.name] = attrs.field(type=annotation, default=p.default)
+    # Required fields first: attrs wants no mandatory field after a defaulted one.
+    ordered = dict(sorted(fields.items(), key=lambda kv: kv[1]._default is not attrs.NOTHING))
+    return attrs.make_class(f"{func.__name__}_config", ordered, frozen=True, kw_only=True)
+
+
+def _eval_annotation(text: str, func: Callable[..., Any]) -> Any:
+    try:
+        return eval(text, dict(vars(inspect.getmodule(func) or object)))  # noqa: S307 - annotations
+    except Exception:
+        return Any
+
+
+def stage(
+    name: str,
+    *,
+    kinds: Iterable[str] = ("store", "retrieve"),
+    needs: Iterable[str] = (),
+    gives: Iterable[str] = (),
+    config: type | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Declare a generator function as a flowkv stage.
+
+    ``kinds`` lists the pipelines it may appear in (store, retrieve, lookup);
+    ``needs`` and ``gives`` are the item facets it reads and adds; ``config``
+    is an attrs class of its settings, else its keyword-only parameters are.
+    """
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        where = _where(func)
+        if not inspect.isgeneratorfunction(func):
+            raise RegistryError(
+                f"stage '{name}': {func.__qualname__} ({where}) must be a generator function "
+                "(it yields items)",
+                kind="misuse",
+            )
+        bad = set(kinds) - set(PIPELINE_KINDS)
+        if bad:
+            raise RegistryError(
+                f"stage '{name}' ({where}): unknown pipeline kind(s) {sorted(bad)}; "
+                f"use {list(PIPELINE_KINDS)}",
+                kind="misuse",
+            )
+        if config is not None and not attrs.has(config):
+            raise RegistryError(
+                f"stage '{name}' ({where}): config= must be an attrs class", kind="misuse"
+            )
+        params = inspect.signature(func).parameters
+        info = StageInfo(
+            name=name,
+            func=func,
+            kinds=frozenset(kinds),
+            needs=frozenset(needs),
+            gives=frozenset(gives),
+            config_cls=config or _config_from_signature(func, where),
+            takes_ctx="ctx" in params,
+            origin=f"{func.__module__}.{func.__qualname__} ({where})",
+        )
+        func.__flowkv_stage__ = info  # type: ignore[attr-defined]
+        return func
+
+    return decorate
+
+
+def tier(name: str, *, config: type) -> Callable[[type], type]:
+    """Declare a class as a tier kind, built as ``cls(name=..., config=...)``."""
+
+    def decorate(cls: type) -> type:
+        where = _where(cls)
+        if not attrs.has(config):
+            raise RegistryError(
+                f"tier '{name}' ({where}): config= must be an attrs class", kind="misuse"
+            )
+        cls.__flowkv_tier__ = TierInfo(  # type: ignore[attr-defined]
+            name=name, cls=cls, config_cls=config, origin=f"{cls.__module__}.{cls.__qualname__} ({where})"
+        )
+        return cls
+
+    return decorate
+
+
+# -- finding things by name -------------------------------------------------
+
+
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    found: dict[str, importlib.metadata.EntryPoint] = {}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in BUILTIN_STAGES or ep.name in BUILTIN_TIERS:
+            raise RegistryError(
+                f"two stages named '{ep.name}': the built-in one "
+                f"({BUILTIN_STAGES.get(ep.name) or BUILTIN_TIERS.get(ep.name)}) and entry point "
+                f"'{ep.value}' of distribution {_dist_name(ep)}",
+                kind="duplicate",
+            )
+        if ep.name in found and found[ep.name].value != ep.value:
+            raise RegistryError(
+                f"two stages named '{ep.name}': entry point '{found[ep.name].value}' of "
+                f"{_dist_name(found[ep.name])} and '{ep.value}' of {_dist_name(ep)}",
+                kind="duplicate",
+            )
+        found[ep.name] = ep
+    return found
+
+
+def _dist_name(ep: importlib.metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return f"'{dist.name}'" if dist is not None else "(unknown distribution)"
+
+
+def _import_target(target: str, name: str) -> Any:
+    """Import ``"pkg.module:attr"``; a missing module and a missing attribute read differently."""
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise RegistryError(
+            f"'{target}' is not of the form 'pkg.module:name'", kind="unknown"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or module_name
+        raise RegistryError(
+            f"'{name}': module '{missing}' is not installed (needed for '{target}'); "
+            f"install the package that provides it, e.g. `pip install {missing.split('.')[0]}`",
+            kind="module-not-found",
+        ) from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError as exc:
+        raise RegistryError(
+            f"'{name}': module '{module_name}' ({getattr(module, '__file__', '?')}) has no "
+            f"attribute '{attr}'",
+            kind="attribute-not-found",
+        ) from exc
+
+
+def did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def resolve_stage(name: str) -> StageInfo:
+    """The stage a pipeline file names by ``use = "..."``."""
+    obj = _resolve(name, BUILTIN_STAGES, what="stage")
+    info = getattr(obj, "__flowkv_stage__", None)
+    if info is None:
+        raise RegistryError(
+            f"'{name}' names {obj!r}, which is not declared with @flowkv.stage", kind="misuse"
+        )
+    return info
+
+
+def resolve_tier(name: str) -> TierInfo:
+    """The tier kind a pipeline file names by ``kind = "..."``."""
+    obj = _resolve(name, BUILTIN_TIERS, what="tier kind")
+    info = getattr(obj, "__flowkv_tier__", None)
+    if info is None:
+        raise RegistryError(
+            f"'{name}' names {obj!r}, which is not declared with @flowkv.tier", kind="misuse"
+        )
+    return info
+
+
+def _resolve(name: str, builtins: dict[str, str], *, what: str) -> Any:
+    if ":" in name:
+        return _import_target(name, name)
+    if name in builtins:
+        return _import_target(builtins[name], name)
+    entry_points = _entry_points()
+    if name in entry_points:
+        ep = entry_points[name]
+        return _import_target(ep.value, name)
+    known = list(builtins) + list(entry_points)
+    raise RegistryError(f"unknown {what} '{name}'{did_you_mean(name, known)}", kind="unknown")
+
+
+def available() -> dict[str, list[tuple[str, str]]]:
+    """Names known without importing anything: {"stages": [(name, target)], "tiers": [...],
+    "installed": [(name, "dist: target")]}."""
+    installed = [(n, f"{_dist_name(ep)}: {ep.value}") for n, ep in sorted(_entry_points().items())]
+    return {
+        "stages": sorted(BUILTIN_STAGES.items()),
+        "tiers": sorted(BUILTIN_TIERS.items()),
+        "installed": installed,
+    }
