@@ -1,0 +1,211 @@
+"""The ``flowkv`` command."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from typing import Any
+
+import attrs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flowkv",
+        description="flowkv: a KV-cache layer for LLM inference (pipelines of traced stages).",
+    )
+    sub = parser.add_subparsers(metavar="COMMAND")
+
+    pipeline = sub.add_parser("pipeline", help="validate, show and list pipeline files")
+    psub = pipeline.add_subparsers(metavar="ACTION")
+    validate = psub.add_parser("validate", help="check a pipeline file; print every error as FILE:LINE:COL")
+    validate.add_argument("source", help="a built-in pipeline name or a path to a .toml file")
+    validate.set_defaults(func=cmd_validate)
+    show = psub.add_parser("show", help="the resolved stages and tiers with every effective setting")
+    show.add_argument("source", help="a built-in pipeline name or a path to a .toml file")
+    show.add_argument("--json", action="store_true", help="print as JSON")
+    show.set_defaults(func=cmd_show)
+    listing = psub.add_parser("list", help="built-in pipelines, built-in and installed stages and tiers")
+    listing.add_argument("--json", action="store_true", help="print as JSON")
+    listing.set_defaults(func=cmd_list)
+    pipeline.set_defaults(func=lambda args: (pipeline.print_help(), 2)[1])
+
+    from flowkv.bench import BENCHMARKS
+
+    bench = sub.add_parser("bench", help="benchmarks that print ratios against a same-run baseline")
+    bsub = bench.add_subparsers(metavar="NAME")
+    for name, (module, text) in BENCHMARKS.items():
+        bparser = bsub.add_parser(name, help=text, description=text)
+        bparser.set_defaults(func=_bench_runner(module), _bench_module=module)
+        try:
+            importlib.import_module(module).add_arguments(bparser)
+        except ImportError:
+            bparser.set_defaults(func=_unavailable(name, module))
+    bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
+
+    try:
+        from flowkv import tracetools
+    except ImportError:
+        tracetools = None
+    if tracetools is not None and hasattr(tracetools, "add_commands"):
+        tracetools.add_commands(sub)
+
+    demo = sub.add_parser("demo", help="the main job: vLLM with flowkv on a long-document QA workload")
+    try:
+        from flowkv import demo as demo_module
+
+        demo_module.add_arguments(demo)
+        demo.set_defaults(func=demo_module.run)
+    except ImportError as exc:
+        demo.set_defaults(func=_unavailable("demo", f"flowkv.demo ({exc})"))
+    return parser
+
+
+def _bench_runner(module: str):
+    def run(args: argparse.Namespace) -> int:
+        return importlib.import_module(module).run(args)
+
+    return run
+
+
+def _unavailable(name: str, module: str):
+    def run(args: argparse.Namespace) -> int:
+        print(f"flowkv: '{name}' is not available: {module} could not be imported", file=sys.stderr)
+        return 2
+
+    return run
+
+
+# -- pipeline ---------------------------------------------------------------
+
+
+def _load(source: str):
+    from flowkv.pipeline import PipelineError, load_pipeline
+
+    try:
+        return load_pipeline(source), None
+    except PipelineError as exc:
+        return None, str(exc)
+    except FileNotFoundError as exc:
+        return None, f"{source}: {exc}"
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    pipeline, errors = _load(args.source)
+    if pipeline is None:
+        print(errors, file=sys.stderr)
+        count = errors.count("\n") + 1
+        print(f"{args.source}: {count} error{'s' if count > 1 else ''}", file=sys.stderr)
+        return 1
+    print(f"{pipeline.source}: ok ({len(pipeline.store)} store, {len(pipeline.retrieve)} retrieve, "
+          f"{len(pipeline.lookup)} lookup stages; tiers: {', '.join(pipeline.tiers) or 'none'})")
+    return 0
+
+
+def describe(pipeline) -> dict[str, Any]:
+    """Every effective setting of a loaded pipeline, defaults included."""
+
+    def plain(value: Any) -> Any:
+        if attrs.has(type(value)):
+            return {k: plain(v) for k, v in attrs.asdict(value, recurse=False).items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (str, int, float, bool)) or value is None:
+            return value
+        return str(value)
+
+    def stages(specs) -> list[dict[str, Any]]:
+        return [
+            {"use": s.use, "stage": s.info.origin, "at": s.location.short, **plain(s.config)}
+            for s in specs
+        ]
+
+    return {
+        "source": pipeline.source,
+        "pipeline": plain(pipeline.section),
+        "tiers": {
+            name: {"kind": t.kind, "implementation": t.info.origin, "at": t.location.short, **plain(t.config)}
+            for name, t in pipeline.tiers.items()
+        },
+        "store": stages(pipeline.store),
+        "retrieve": stages(pipeline.retrieve),
+        "lookup": stages(pipeline.lookup),
+        "layerwise": plain(pipeline.layerwise),
+        "telemetry": plain(pipeline.telemetry),
+        "vllm": plain(pipeline.vllm),
+    }
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    pipeline, errors = _load(args.source)
+    if pipeline is None:
+        print(errors, file=sys.stderr)
+        return 1
+    info = describe(pipeline)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"# {info['source']}")
+    for section in ("pipeline", "layerwise", "telemetry", "vllm"):
+        print(f"[{section}]")
+        for key, value in info[section].items():
+            print(f"  {key} = {value!r}")
+    for name, table in info["tiers"].items():
+        print(f"[tiers.{name}]")
+        for key, value in table.items():
+            print(f"  {key} = {value!r}")
+    for kind in ("store", "retrieve", "lookup"):
+        chain = " -> ".join(s["use"] for s in info[kind]) or "(none)"
+        print(f"{kind}: {chain}")
+        for stage_info in info[kind]:
+            settings = {k: v for k, v in stage_info.items() if k not in ("use", "stage", "at")}
+            print(f"  {stage_info['use']:<12} {stage_info['at']}  {settings or ''}")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from flowkv.pipeline import builtin_pipelines
+    from flowkv.registry import RegistryError, available
+
+    try:
+        known = available()
+    except RegistryError as exc:
+        print(f"flowkv: {exc}", file=sys.stderr)
+        return 1
+    pipelines = {name: str(path) for name, path in sorted(builtin_pipelines().items())}
+    if args.json:
+        print(json.dumps({"pipelines": pipelines, **{k: dict(v) for k, v in known.items()}}, indent=2))
+        return 0
+    print("built-in pipelines:")
+    for name, path in pipelines.items():
+        print(f"  {name:<18} {path}")
+    print("built-in stages:")
+    for name, target in known["stages"]:
+        print(f"  {name:<18} {target}")
+    print("built-in tier kinds:")
+    for name, target in known["tiers"]:
+        print(f"  {name:<18} {target}")
+    print("installed (entry point group 'flowkv.stages'):")
+    for name, target in known["installed"] or [("(none)", "")]:
+        print(f"  {name:<18} {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
