@@ -1,0 +1,374 @@
+"""The local-disk tier: one file per chunk payload, LRU-evicted by bytes.
+
+Layout under ``path``::
+
+    path/
+      3f/                          first hex byte of the key's digest (256 shards)
+        3f9a0c...e1.kv             one payload; name = blake2b-128(key) in hex
+        .3f9a0c...e1.4711.a1b2.tmp a write in progress (removed on start)
+
+Keys are opaque strings (they may hold ``/``), so a file is named by a digest
+of its key, never by the key itself. A write goes to a temporary name in the
+same folder and is renamed over the final name with ``os.replace``: a crash
+leaves either the old state or a complete file, never a half file under a
+valid name (with ``fsync = true`` this also holds across power loss). Every
+read is checked with :func:`flowkv.tiers.verify_payload`; a corrupt or
+truncated file is a miss, counted, and removed.
+
+The index (digest → size, in LRU order) lives in memory and is rebuilt from
+the folder when the tier starts, ordered by the files' access times, so a
+restarted engine finds the cache warm. File I/O runs in worker threads
+(``anyio.to_thread.run_sync``).
+
+TOML::
+
+    [tiers.local-disk]
+    kind = "disk"
+    path = "/var/cache/flowkv"
+    capacity = "20GiB"
+    admit_after = 2               # store a chunk only the second time it is offered
+    fsync = false
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import errno
+import hashlib
+import logging
+import os
+import secrets
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import anyio.to_thread
+import attrs
+
+from flowkv.registry import tier
+from flowkv.tiers.base import Tier, verify_payload
+
+__all__ = ["DiskTier", "DiskTierConfig"]
+
+logger = logging.getLogger("flowkv.tiers")
+
+_SUFFIX = ".kv"
+_TMP_SUFFIX = ".tmp"
+_DIGEST_BYTES = 16
+# Admission remembers this many recently offered keys; older ones start over.
+_SEEN_LIMIT = 1 << 18
+
+
+def _positive_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"disk tier {attribute.name} must be a positive integer, got {value!r}")
+
+
+@attrs.define(frozen=True, kw_only=True)
+class DiskTierConfig:
+    """Settings of a :class:`DiskTier`."""
+
+    #: Folder holding the cache; created when missing. One engine process per folder.
+    path: str = attrs.field(converter=os.fspath)
+    #: Bytes of payload the folder may hold; the least recently used go first.
+    #: (The pipeline loader turns ``"20GiB"`` into bytes.)
+    capacity: int = attrs.field(validator=_positive_int)
+    #: Store a key only once it has been offered this many times (1 = always).
+    admit_after: int = attrs.field(default=1, validator=_positive_int)
+    #: fsync each file and its folder before it counts as stored (survives power loss).
+    fsync: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+
+def key_digest(key: str) -> str:
+    """The hex digest naming ``key``'s file (stable across processes)."""
+    if not isinstance(key, str):
+        raise TypeError(f"tier keys are str (CacheKey.to_str()), got {type(key).__name__}")
+    return hashlib.blake2b(key.encode("utf-8"), digest_size=_DIGEST_BYTES).hexdigest()
+
+
+def _is_digest_name(name: str) -> bool:
+    stem = name[: -len(_SUFFIX)]
+    return (
+        name.endswith(_SUFFIX)
+        and len(stem) == 2 * _DIGEST_BYTES
+        and all(c in "0123456789abcdef" for c in stem)
+    )
+
+
+@tier("disk", config=DiskTierConfig)
+class DiskTier(Tier):
+    """Chunk payloads as files in a sharded folder, with LRU eviction by bytes.
+
+    Built by the registry as ``DiskTier(name="local-disk", config=DiskTierConfig(...))``.
+    A folder that cannot be created or written does not raise: reads miss and
+    writes are dropped, counted in :meth:`stats` (``read_errors``, ``write_errors``).
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        config: DiskTierConfig,
+        verify: Callable[[bytes], bool] | None = None,
+    ) -> None:
+        self.name = name
+        self.config = config
+        # Integrity check of every payload read; a different payload format brings its own.
+        self._verify = verify if verify is not None else verify_payload
+        self.root = Path(config.path).expanduser()
+        self._index: OrderedDict[str, int] = OrderedDict()  # digest -> bytes, least recent first
+        self._bytes_used = 0  # sum of the index's sizes
+        self._reserved = 0  # bytes of writes in flight, already made room for
+        self._writing: set[str] = set()  # digests being written now
+        self._seen: OrderedDict[str, int] = OrderedDict()  # digest -> times offered (admission)
+        self._made_shards: set[str] = set()
+        self._counters = dict.fromkeys(
+            (
+                "hits",
+                "misses",
+                "corrupt",
+                "read_errors",
+                "writes",
+                "written_bytes",
+                "write_errors",
+                "evictions",
+                "evicted_bytes",
+                "admission_declined",
+                "too_large",
+                "temp_files_removed",
+            ),
+            0,
+        )
+        self._rebuild_index()
+
+    # -- the Tier contract -------------------------------------------------
+
+    async def exists(self, keys: list[str]) -> list[bool]:
+        return [key_digest(key) in self._index for key in keys]
+
+    async def get(self, keys: list[str]) -> list[bytes | None]:
+        digests = [key_digest(key) for key in keys]
+        wanted = [d for d in dict.fromkeys(digests) if d in self._index]
+        for digest in wanted:
+            self._index.move_to_end(digest)
+        found = await anyio.to_thread.run_sync(self._read_files, wanted) if wanted else {}
+        for digest, outcome in found.items():
+            if isinstance(outcome, bytes):
+                continue
+            size = self._index.pop(digest, None)
+            if size is not None:
+                self._bytes_used -= size
+            if outcome in self._counters:
+                self._counters[outcome] += 1
+        results: list[bytes | None] = []
+        for digest in digests:
+            blob = found.get(digest)
+            if isinstance(blob, bytes):
+                self._counters["hits"] += 1
+                results.append(blob)
+            else:
+                self._counters["misses"] += 1
+                results.append(None)
+        return results
+
+    async def put(self, entries: list[tuple[str, bytes]]) -> None:
+        plan: list[tuple[str, bytes]] = []
+        for key, payload in entries:
+            if not isinstance(payload, (bytes, bytearray, memoryview)):
+                raise TypeError(f"disk tier {self.name!r}: payload for {key!r} is {type(payload).__name__}, not bytes")
+            digest = key_digest(key)
+            if digest in self._index:
+                # Same key, same payload: refresh its recency instead of rewriting.
+                self._index.move_to_end(digest)
+                continue
+            if digest in self._writing or not self._admit(digest):
+                continue
+            size = len(payload)
+            if size > self.config.capacity:
+                self._counters["too_large"] += 1
+                continue
+            self._writing.add(digest)
+            plan.append((digest, payload))
+        if not plan:
+            return
+        needed = sum(len(payload) for _, payload in plan)
+        victims = self._make_room(needed)
+        self._reserved += needed
+        try:
+            outcomes = await anyio.to_thread.run_sync(self._write_files, plan, victims)
+        finally:
+            self._reserved -= needed
+            for digest, _ in plan:
+                self._writing.discard(digest)
+        for (digest, payload), stored in zip(plan, outcomes):
+            if stored:
+                self._index[digest] = len(payload)
+                self._bytes_used += len(payload)
+                self._counters["writes"] += 1
+                self._counters["written_bytes"] += len(payload)
+            else:
+                self._counters["write_errors"] += 1
+
+    async def aclose(self) -> None:
+        # Files are closed after every operation; the folder stays for the next start.
+        self._seen.clear()
+
+    def stats(self) -> dict[str, int | float]:
+        return {
+            **self._counters,
+            "entries": len(self._index),
+            "bytes_used": self._bytes_used,
+            "capacity": self.config.capacity,
+        }
+
+    # -- index and policy (event-loop thread) ------------------------------
+
+    def _admit(self, digest: str) -> bool:
+        if self.config.admit_after <= 1:
+            return True
+        seen = self._seen.pop(digest, 0) + 1
+        if seen >= self.config.admit_after:
+            return True
+        self._seen[digest] = seen
+        if len(self._seen) > _SEEN_LIMIT:
+            self._seen.popitem(last=False)
+        self._counters["admission_declined"] += 1
+        return False
+
+    def _make_room(self, needed: int) -> list[str]:
+        """Take least recently used entries out of the index until ``needed`` fits."""
+        victims: list[str] = []
+        while self._index and self._bytes_used + self._reserved + needed > self.config.capacity:
+            digest, size = self._index.popitem(last=False)
+            self._bytes_used -= size
+            self._counters["evictions"] += 1
+            self._counters["evicted_bytes"] += size
+            victims.append(digest)
+        return victims
+
+    def _path(self, digest: str) -> Path:
+        return self.root / digest[:2] / (digest + _SUFFIX)
+
+    def _rebuild_index(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            found = self._scan()
+        except OSError as exc:
+            logger.warning("disk tier %r: cannot use %s (%s); it will miss", self.name, self.root, exc)
+            return
+        found.sort(key=lambda entry: entry[0])
+        for _, digest, size in found:
+            self._index[digest] = size
+            self._bytes_used += size
+        # A smaller capacity than last time: shed the oldest now.
+        victims = self._make_room(0)
+        if victims:
+            self._remove_files(victims)
+        logger.info(
+            "disk tier %r: %d entries, %d bytes found in %s", self.name, len(self._index), self._bytes_used, self.root
+        )
+
+    def _scan(self) -> list[tuple[float, str, int]]:
+        found: list[tuple[float, str, int]] = []
+        with os.scandir(self.root) as shards:
+            for shard in shards:
+                if len(shard.name) != 2 or not shard.is_dir(follow_symlinks=False):
+                    continue
+                self._made_shards.add(shard.name)
+                with os.scandir(shard.path) as files:
+                    for entry in files:
+                        name = entry.name
+                        if name.startswith(".") and name.endswith(_TMP_SUFFIX):
+                            # A write that never reached its rename: a crash or a kill.
+                            try:
+                                os.unlink(entry.path)
+                                self._counters["temp_files_removed"] += 1
+                            except FileNotFoundError:
+                                pass
+                            continue
+                        if not _is_digest_name(name) or not name.startswith(shard.name):
+                            continue
+                        st = entry.stat(follow_symlinks=False)
+                        found.append((max(st.st_atime, st.st_mtime), name[: -len(_SUFFIX)], st.st_size))
+        return found
+
+    # -- file I/O (worker threads) -----------------------------------------
+
+    def _read_files(self, digests: list[str]) -> dict[str, bytes | str]:
+        """Each digest's payload, or why not: ``"misses"``, ``"corrupt"``, ``"read_errors"``."""
+        found: dict[str, bytes | str] = {}
+        now = time.time()
+        for digest in digests:
+            path = self._path(digest)
+            try:
+                with open(path, "rb") as file:
+                    blob = file.read()
+            except FileNotFoundError:
+                found[digest] = "misses"  # removed behind our back
+                continue
+            except OSError as exc:
+                logger.debug("disk tier %r: cannot read %s: %s", self.name, path, exc)
+                found[digest] = "read_errors"
+                continue
+            if not self._verify(blob):
+                logger.warning("disk tier %r: corrupt payload in %s removed", self.name, path)
+                self._unlink(path)
+                found[digest] = "corrupt"
+                continue
+            # Recency survives a restart through the file's times.
+            try:
+                os.utime(path, (now, now))
+            except OSError:
+                pass
+            found[digest] = blob
+        return found
+
+    def _write_files(self, plan: list[tuple[str, bytes]], victims: list[str]) -> list[bool]:
+        self._remove_files(victims)
+        return [self._write_file(digest, payload) for digest, payload in plan]
+
+    def _write_file(self, digest: str, payload: bytes) -> bool:
+        shard = digest[:2]
+        folder = self.root / shard
+        final = folder / (digest + _SUFFIX)
+        temp = folder / f".{digest}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
+        try:
+            if shard not in self._made_shards:
+                folder.mkdir(parents=True, exist_ok=True)
+                self._made_shards.add(shard)
+            with open(temp, "xb") as file:
+                file.write(payload)
+                if self.config.fsync:
+                    file.flush()
+                    os.fsync(file.fileno())
+            os.replace(temp, final)
+            if self.config.fsync:
+                self._fsync_folder(folder)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+                self._made_shards.discard(shard)  # the folder went away; recreate next time
+            logger.debug("disk tier %r: cannot write %s: %s", self.name, final, exc)
+            self._unlink(temp)
+            return False
+        return True
+
+    def _remove_files(self, digests: list[str]) -> None:
+        for digest in digests:
+            self._unlink(self._path(digest))
+
+    def _unlink(self, path: Path) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            logger.debug("disk tier %r: cannot remove %s: %s", self.name, path, exc)
+
+    @staticmethod
+    def _fsync_folder(folder: Path) -> None:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,240 @@
+"""Real redis-server processes for the tier tests, and payloads the tiers accept.
+
+Fixtures (use with ``pytest_plugins = ["redis_servers"]`` in a test module):
+
+- ``redis_server``: one standalone server for the session (tests isolate
+  themselves by namespace).
+- ``redis_cluster``: three masters joined with ``redis-cli --cluster create``.
+- ``own_redis_server``: a standalone server for one test, free to kill,
+  pause and restart.
+
+Every server listens on a free loopback port, keeps its files in a pytest
+tmp dir, persists nothing, and is stopped when its fixture ends.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import xxhash
+
+__all__ = [
+    "RedisServer",
+    "make_payload",
+    "own_redis_server",
+    "payload_verifier",
+    "redis_cluster",
+    "redis_server",
+]
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
+# How long a server may take to answer PING or a cluster to agree: readiness
+# of a fixture, not a performance claim.
+_READY_S = 20.0
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(*, with_cluster_bus: bool = False) -> int:
+    """A loopback port nobody listens on (and port + 10000 too, for a cluster bus)."""
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        port = rng.randrange(20000, 40000)
+        if _port_is_free(port) and (not with_cluster_bus or _port_is_free(port + 10000)):
+            return port
+    raise RuntimeError("no free loopback port found for redis-server")
+
+
+class RedisServer:
+    """One redis-server process on 127.0.0.1; start, kill, pause and restart it."""
+
+    def __init__(self, workdir: Path, *, cluster: bool = False, extra_args: tuple[str, ...] = ()) -> None:
+        if not Path(REDIS_SERVER).exists():
+            pytest.skip("redis-server is not installed")
+        self.workdir = workdir
+        self.cluster = cluster
+        self.extra_args = extra_args
+        self.port = free_port(with_cluster_bus=cluster)
+        self.process: subprocess.Popen[bytes] | None = None
+        workdir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"redis-{self.port}.log"
+
+    def start(self) -> RedisServer:
+        """Start on ``self.port`` (the same port on a restart) and wait for PING."""
+        args = [
+            REDIS_SERVER,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.workdir),
+            "--save", "",
+            "--appendonly", "no",
+            "--daemonize", "no",
+            "--logfile", str(self.log_path),
+        ]
+        if self.cluster:
+            args += [
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", f"nodes-{self.port}.conf",
+                "--cluster-node-timeout", "2000",
+            ]
+        args += list(self.extra_args)
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        self._wait_for_ping()
+        return self
+
+    def _wait_for_ping(self) -> None:
+        deadline = time.monotonic() + _READY_S
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                log = self.log_path.read_text() if self.log_path.exists() else ""
+                raise RuntimeError(f"redis-server on port {self.port} exited: {log[-2000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                    sock.sendall(b"PING\r\n")
+                    reply = sock.recv(64)
+                # -NOAUTH also proves the server is up.
+                if reply.startswith((b"+PONG", b"-NOAUTH")):
+                    return
+            except OSError:
+                pass
+            time.sleep(0.02)
+        raise RuntimeError(f"redis-server on port {self.port} did not answer PING")
+
+    def cli(self, *args: str) -> str:
+        """Run ``redis-cli -p PORT ARGS`` and return its output."""
+        done = subprocess.run(
+            [REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), *args],
+            check=True, capture_output=True, text=True, timeout=_READY_S,
+        )
+        return done.stdout.strip()
+
+    def kill(self) -> None:
+        """SIGKILL: the server vanishes mid-workload."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)  # a paused server dies too
+            self.process.kill()
+            self.process.wait()
+
+    def pause(self) -> None:
+        """SIGSTOP: connections stay open but nothing answers (a hung server)."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGCONT)
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=_READY_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class RedisClusterServers:
+    """Three masters (no replicas) forming one Redis Cluster on loopback."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.nodes = [RedisServer(workdir / f"node{i}", cluster=True) for i in range(3)]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self) -> RedisClusterServers:
+        for node in self.nodes:
+            node.start()
+        subprocess.run(
+            [REDIS_CLI, "--cluster", "create",
+             *(f"127.0.0.1:{node.port}" for node in self.nodes),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, capture_output=True, text=True, timeout=_READY_S,
+        )
+        deadline = time.monotonic() + _READY_S
+        while time.monotonic() < deadline:
+            if all("cluster_state:ok" in node.cli("CLUSTER", "INFO") for node in self.nodes):
+                return self
+            time.sleep(0.05)
+        raise RuntimeError("the three-master cluster did not reach cluster_state:ok")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory):
+    server = RedisServer(tmp_path_factory.mktemp("redis-standalone")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory):
+    cluster = RedisClusterServers(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def own_redis_server(tmp_path: Path):
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+# -- payloads ------------------------------------------------------------------
+#
+# Tiers check each payload they read with flowkv.tiers.verify_payload, which
+# uses flowkv.payload's header and checksum. Tier tests build tiers with
+# verify=payload_verifier and this small framed format instead, so they test
+# the tiers' handling of corrupt data independently of the payload codec:
+# magic, body length, xxh3-64 of the body, body.
+
+_MAGIC = b"TPL1"
+_HEADER = 4 + 8 + 8
+
+
+def make_payload(nbytes: int, seed: int = 0) -> bytes:
+    """A payload of about ``nbytes`` whose integrity the tier can check."""
+    body = random.Random(seed).randbytes(max(0, nbytes - _HEADER))
+    return _MAGIC + len(body).to_bytes(8, "little") + xxhash.xxh3_64_digest(body) + body
+
+
+def payload_verifier(blob: bytes) -> bool:
+    """True when ``blob`` is an intact :func:`make_payload` payload."""
+    if len(blob) < _HEADER or blob[:4] != _MAGIC:
+        return False
+    body = memoryview(blob)[_HEADER:]
+    return int.from_bytes(blob[4:12], "little") == len(body) and xxhash.xxh3_64_digest(body) == blob[12:20]
