@@ -632,9 +632,10 @@ class _IntCodec(Codec):
                 lo = lo.reshape(layers, 1, heads, head_size)
                 scale = scale.reshape(layers, 1, heads, head_size)
             else:
-                q = codes[:, index].reshape(layers, tokens, heads, head_size // group if group else 0, group)
-                lo = lo.reshape(layers, tokens, heads, -1, 1)
-                scale = scale.reshape(layers, tokens, heads, -1, 1)
+                per_head = head_size // group if group else 0
+                q = codes[:, index].reshape(layers, tokens, heads, per_head, group)
+                lo = lo.reshape(layers, tokens, heads, per_head, 1)
+                scale = scale.reshape(layers, tokens, heads, per_head, 1)
             if q.numel():
                 out[:, index].copy_((q.float() * scale + lo).reshape(out[:, index].shape))
 
