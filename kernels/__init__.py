@@ -1,0 +1,26 @@
+"""flowkv.kernels: moving KV between an engine's paged cache and flowkv's chunk buffers.
+
+>>> import torch
+>>> from flowkv.kernels import KVGeometry, gather, scatter
+>>> from flowkv._testing.paged import make_paged_kv, random_slot_mapping
+>>> g = KVGeometry("flash_kv_nhd", 2, 4, 64, 16, torch.float16)
+>>> src, dst = make_paged_kv(g, 8, seed=0), make_paged_kv(g, 8, seed=0, fill=False)
+>>> slots = random_slot_mapping(50, g, 8, seed=3)
+>>> chunk = gather(src, g, slots, torch.empty(g.chunk_shape(50), dtype=g.dtype))
+>>> scatter(chunk, dst, g, slots)
+"""
+
+from .bench import bench_gather_scatter
+from .geometry import LAYOUTS, KVGeometry, canonical_view, detect_layout
+from .transfer import gather, scatter, triton_available
+
+__all__ = [
+    "LAYOUTS",
+    "KVGeometry",
+    "bench_gather_scatter",
+    "canonical_view",
+    "detect_layout",
+    "gather",
+    "scatter",
+    "triton_available",
+]

@@ -1,0 +1,183 @@
+"""gather / scatter: move tokens between the engine's paged KV cache and a chunk buffer.
+
+Both check their arguments, group the layers (see ``torch_kv``), and hand the
+copy to one implementation: ``"torch"`` (CPU and CUDA) or ``"triton"`` (CUDA,
+or CPU under ``TRITON_INTERPRET=1``). By default CUDA tensors use Triton when
+it imports, everything else uses torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from . import torch_kv
+from .geometry import KVGeometry, as_layer_list, canonical_view
+
+__all__ = ["gather", "scatter", "triton_available"]
+
+KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+
+
+def triton_available() -> bool:
+    """True when the Triton kernels import (Triton installed and importable)."""
+    try:
+        from . import triton_kv  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _choose_impl(impl: str | None, device: torch.device) -> str:
+    if impl is None:
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if impl not in ("torch", "triton"):
+        raise ValueError(f"impl must be 'torch' or 'triton', got {impl!r}")
+    if impl == "triton":
+        if not triton_available():
+            raise RuntimeError("impl='triton' was asked for but triton does not import")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU), got {device}"
+            )
+    return impl
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _layer_groups(views: list[torch.Tensor]) -> list[torch_kv.LayerGroup]:
+    """Split canonical layer views into runs that are one strided tensor: same
+    storage, same strides, storage offsets a fixed positive distance apart."""
+    groups: list[torch_kv.LayerGroup] = []
+    start = 0
+    while start < len(views):
+        first = views[start]
+        end, step = start + 1, 0
+        while end < len(views):
+            view = views[end]
+            distance = view.storage_offset() - views[end - 1].storage_offset()
+            if (
+                not _same_storage(first, view)
+                or view.stride() != first.stride()
+                or view.shape != first.shape
+                or distance <= 0
+                or (step and distance != step)
+            ):
+                break
+            step = distance
+            end += 1
+        group = first.as_strided(
+            (end - start, *first.shape), (step, *first.stride()), first.storage_offset()
+        )
+        groups.append((start, group))
+        start = end
+    return groups
+
+
+def _prepare(
+    kv_caches: KVCaches,
+    geometry: KVGeometry,
+    slot_mapping: torch.Tensor,
+    chunk: torch.Tensor,
+    layers: Sequence[int] | None,
+    chunk_name: str,
+) -> tuple[list[torch_kv.LayerGroup], torch.Tensor]:
+    cache_layers = as_layer_list(kv_caches)
+    if len(cache_layers) != geometry.num_layers:
+        raise ValueError(f"got {len(cache_layers)} KV layers, geometry has {geometry.num_layers}")
+    if layers is None:
+        layer_ids = list(range(geometry.num_layers))
+    else:
+        layer_ids = [int(i) for i in layers]
+        bad = [i for i in layer_ids if not 0 <= i < geometry.num_layers]
+        if bad or not layer_ids:
+            raise ValueError(f"layers {list(layers)} must be non-empty indices below {geometry.num_layers}")
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
+        raise ValueError("slot_mapping must be a 1-D integer tensor")
+    if slot_mapping.dtype.is_floating_point or slot_mapping.dtype == torch.bool:
+        raise ValueError(f"slot_mapping must hold integers, got {slot_mapping.dtype}")
+    device = cache_layers[0].device
+    slots = slot_mapping.to(device=device, dtype=torch.int64)
+
+    expected = (len(layer_ids),) + geometry.chunk_shape(slots.numel())[1:]
+    if tuple(chunk.shape) != expected:
+        raise ValueError(f"{chunk_name} has shape {tuple(chunk.shape)}, expected {expected}")
+    if chunk.dtype != geometry.dtype or chunk.device != device:
+        raise ValueError(
+            f"{chunk_name} is {chunk.dtype} on {chunk.device}; the cache is {geometry.dtype} on {device}"
+        )
+    if not chunk.is_contiguous():
+        raise ValueError(f"{chunk_name} must be contiguous")
+
+    views = [canonical_view(cache_layers[i], geometry) for i in layer_ids]
+    if slots.numel():
+        slots_per_layer = views[0].shape[1] * geometry.block_size
+        low, high = torch.aminmax(slots)
+        if int(low) < -1 or int(high) >= slots_per_layer:
+            raise ValueError(
+                f"slot_mapping holds slots in [{int(low)}, {int(high)}]; valid slots are -1 "
+                f"(skip) and 0..{slots_per_layer - 1} ({views[0].shape[1]} blocks of {geometry.block_size})"
+            )
+    return _layer_groups(views), slots
+
+
+def gather(
+    kv_caches: KVCaches,
+    geometry: KVGeometry,
+    slot_mapping: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    layers: Sequence[int] | None = None,
+    impl: str | None = None,
+) -> torch.Tensor:
+    """Copy the tokens at ``slot_mapping`` out of the paged cache into ``out``.
+
+    ``out`` is a contiguous tensor of ``geometry.chunk_shape(len(slot_mapping))``,
+    or with ``len(layers)`` in dim 0 when only ``layers`` (indices into
+    ``kv_caches``) are gathered. A slot of -1 leaves that token's row of
+    ``out`` untouched. Returns ``out``.
+
+    >>> from flowkv._testing.paged import make_paged_kv, random_slot_mapping
+    >>> g = KVGeometry("cpu", 2, 2, 64, 32, torch.float32)
+    >>> caches = make_paged_kv(g, num_blocks=8, seed=0)
+    >>> slots = random_slot_mapping(40, g, 8, seed=1)
+    >>> gather(caches, g, slots, torch.empty(g.chunk_shape(40))).shape
+    torch.Size([2, 2, 40, 2, 64])
+    """
+    groups, slots = _prepare(kv_caches, geometry, slot_mapping, out, layers, "out")
+    if slots.numel() == 0:
+        return out
+    if _choose_impl(impl, out.device) == "triton":
+        from . import triton_kv
+
+        triton_kv.gather_groups(groups, slots, out)
+    else:
+        torch_kv.gather_groups(groups, slots, out)
+    return out
+
+
+def scatter(
+    chunk: torch.Tensor,
+    kv_caches: KVCaches,
+    geometry: KVGeometry,
+    slot_mapping: torch.Tensor,
+    *,
+    layers: Sequence[int] | None = None,
+    impl: str | None = None,
+) -> None:
+    """Write ``chunk`` (as made by :func:`gather`) into the paged cache at
+    ``slot_mapping``; a slot of -1 writes nothing. Two tokens with one slot
+    leave either value there."""
+    groups, slots = _prepare(kv_caches, geometry, slot_mapping, chunk, layers, "chunk")
+    if slots.numel() == 0:
+        return
+    if _choose_impl(impl, chunk.device) == "triton":
+        from . import triton_kv
+
+        triton_kv.scatter_groups(chunk, groups, slots)
+    else:
+        torch_kv.scatter_groups(chunk, groups, slots)
