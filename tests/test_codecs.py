@@ -73,15 +73,16 @@ def test_compressors_shrink_repetitive_kv(name):
 
 @pytest.mark.parametrize("compressor", ["lz4", "zstd"])
 def test_shuffle_puts_high_bytes_together(compressor):
-    # Random low bytes, one repeated high byte: interleaved, neither LZ4 nor
-    # zstd finds repeats; as separate planes, half the body is one run.
+    # Random low bytes, one repeated high byte: interleaved, LZ4 finds no
+    # repeats and zstd only entropy-codes; as planes, half the body is one run.
     gen = torch.Generator().manual_seed(1)
     low = torch.randint(0, 256, (1 << 14,), generator=gen, dtype=torch.int32)
     kv = (low | (0x3C << 8)).to(torch.int16).view(torch.float16).reshape(4, 2, 64, 2, 16)
     plain = len(memoryview(roundtrip(compressor, kv)[3]).cast("B"))
     codec, _, decoded, body = roundtrip(f"{compressor}-shuffle", kv)
     assert torch.equal(decoded, kv)
-    assert len(memoryview(body).cast("B")) < 0.6 * plain
+    assert len(memoryview(body).cast("B")) < 0.85 * plain
+    assert len(memoryview(body).cast("B")) < 0.55 * kv.numel() * 2
 
 
 @pytest.mark.parametrize("shape", SHAPES)
