@@ -516,7 +516,7 @@ def _bytes(n: float) -> str:
 def format_summary(summary: Summary) -> str:
     """The summary as plain text for a terminal."""
     lines = [
-        f"{summary.span_count} spans in {summary.trace_count} traces; runs: "
+        f"{summary.span_count} spans in {summary.trace_count} trace{'s' if summary.trace_count != 1 else ''}; runs: "
         + (", ".join(f"{k} {n} ({_ms(summary.run_ns[k])})" for k, n in summary.runs.items()) or "none"),
     ]
     if summary.step_ns:

@@ -305,3 +305,48 @@ def test_cli_help_describes_the_commands(capsys):
 def test_summary_json_round_trips_through_attrs(layerwise_file):
     summary = summarize(load_spans(layerwise_file))
     assert json.loads(json.dumps(attrs.asdict(summary)))["layers"][1]["compute_ns"] == 4 * MS
+
+
+def test_real_runner_trace_file_summarizes(tmp_path):
+    """Spans from flowkv's runner, through the file exporter, read back by the tools."""
+    from flowkv.items import RunContext
+    from flowkv.runner import BoundStage, Runner
+
+    def gather(chunks, *, ctx):
+        for chunk in chunks:
+            ctx.record(bytes=len(chunk))
+            yield chunk
+
+    def compress(chunks):
+        for chunk in chunks:
+            yield chunk[: len(chunk) // 2]
+
+    exporter = OTLPJsonFileExporter(tmp_path)
+    provider = TracerProvider(resource=Resource.create({"service.name": "flowkv"}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    runner = Runner(
+        [
+            BoundStage("gather", gather, {}, True, "local.toml:3", 0),
+            BoundStage("compress", compress, {}, False, "local.toml:6", 1),
+        ],
+        kind="store",
+        pipeline="local",
+        tracer=provider.get_tracer("flowkv"),
+    )
+    for layer in range(3):
+        out = runner.run([b"x" * 1024] * 4, RunContext(kind="store", layer=layer), attributes={"layer": layer})
+        assert len(out) == 4
+    provider.shutdown()
+
+    spans = load_spans(exporter.path)
+    summary = summarize(spans)
+    assert summary.runs == {"store": 3}
+    stages = {s.stage: s for s in summary.stages}
+    assert set(stages) == {"gather", "compress"}
+    assert all(s.own_time_measured and s.count == 3 and s.items_out == 12 for s in stages.values())
+    assert stages["gather"].total_bytes == 3 * 4 * 1024
+    assert [l.layer for l in summary.layers] == [0, 1, 2]
+    assert summary.overlap_ratio == 1.0  # no flowkv.wait spans: nothing blocked
+    document = json.loads(timeline(spans, tmp_path / "t.json").read_text())
+    lanes = {e["args"]["name"] for e in document["traceEvents"] if e["name"] == "thread_name"}
+    assert "store/gather · layer 2" in lanes and "flowkv.store · layer 0" in lanes
