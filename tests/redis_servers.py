@@ -1,6 +1,6 @@
 """Real redis-server processes for the tier tests, and payloads the tiers accept.
 
-Fixtures (use with ``pytest_plugins = ["redis_servers"]`` in a test module):
+Fixtures (import them by name into a test module: ``from redis_servers import redis_server``):
 
 - ``redis_server``: one standalone server for the session (tests isolate
   themselves by namespace).
@@ -19,8 +19,10 @@ import random
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -28,11 +30,13 @@ import xxhash
 
 __all__ = [
     "RedisServer",
+    "TlsFiles",
     "make_payload",
     "own_redis_server",
     "payload_verifier",
     "redis_cluster",
     "redis_server",
+    "redis_tls_server",
 ]
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
@@ -61,14 +65,50 @@ def free_port(*, with_cluster_bus: bool = False) -> int:
     raise RuntimeError("no free loopback port found for redis-server")
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """A throw-away CA and a server certificate for 127.0.0.1."""
+
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+
+    @classmethod
+    def create(cls, folder: Path) -> TlsFiles:
+        openssl = shutil.which("openssl")
+        if openssl is None:
+            pytest.skip("openssl is not installed")
+        folder.mkdir(parents=True, exist_ok=True)
+        files = cls(folder / "ca.crt", folder / "server.crt", folder / "server.key")
+        ca_key, csr, ext = folder / "ca.key", folder / "server.csr", folder / "san.ext"
+        ext.write_text("subjectAltName=IP:127.0.0.1\n")
+        ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+        for args in (
+            ["req", "-x509", *ec, "-keyout", ca_key, "-out", files.ca_cert, "-subj", "/CN=flowkv-test-ca", "-days", "2"],
+            ["req", *ec, "-keyout", files.server_key, "-out", csr, "-subj", "/CN=127.0.0.1"],
+            ["x509", "-req", "-in", csr, "-CA", files.ca_cert, "-CAkey", ca_key, "-CAcreateserial",
+             "-out", files.server_cert, "-days", "2", "-extfile", ext],
+        ):
+            subprocess.run([openssl, *map(str, args)], check=True, capture_output=True, timeout=_READY_S)
+        return files
+
+
 class RedisServer:
     """One redis-server process on 127.0.0.1; start, kill, pause and restart it."""
 
-    def __init__(self, workdir: Path, *, cluster: bool = False, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        cluster: bool = False,
+        tls: TlsFiles | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         if not Path(REDIS_SERVER).exists():
             pytest.skip("redis-server is not installed")
         self.workdir = workdir
         self.cluster = cluster
+        self.tls = tls
         self.extra_args = extra_args
         self.port = free_port(with_cluster_bus=cluster)
         self.process: subprocess.Popen[bytes] | None = None
@@ -76,7 +116,7 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}"
 
     @property
     def log_path(self) -> Path:
@@ -86,7 +126,7 @@ class RedisServer:
         """Start on ``self.port`` (the same port on a restart) and wait for PING."""
         args = [
             REDIS_SERVER,
-            "--port", str(self.port),
+            *(("--port", "0", "--tls-port") if self.tls else ("--port",)), str(self.port),
             "--bind", "127.0.0.1",
             "--dir", str(self.workdir),
             "--save", "",
@@ -99,6 +139,13 @@ class RedisServer:
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", f"nodes-{self.port}.conf",
                 "--cluster-node-timeout", "2000",
+            ]
+        if self.tls:
+            args += [
+                "--tls-cert-file", str(self.tls.server_cert),
+                "--tls-key-file", str(self.tls.server_key),
+                "--tls-ca-cert-file", str(self.tls.ca_cert),
+                "--tls-auth-clients", "no",
             ]
         args += list(self.extra_args)
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
@@ -113,7 +160,11 @@ class RedisServer:
                 log = self.log_path.read_text() if self.log_path.exists() else ""
                 raise RuntimeError(f"redis-server on port {self.port} exited: {log[-2000:]}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw:
+                    sock = raw
+                    if self.tls:
+                        context = ssl.create_default_context(cafile=str(self.tls.ca_cert))
+                        sock = context.wrap_socket(raw, server_hostname="127.0.0.1")
                     sock.sendall(b"PING\r\n")
                     reply = sock.recv(64)
                 # -NOAUTH also proves the server is up.
@@ -126,8 +177,9 @@ class RedisServer:
 
     def cli(self, *args: str) -> str:
         """Run ``redis-cli -p PORT ARGS`` and return its output."""
+        tls_args = ["--tls", "--cacert", str(self.tls.ca_cert)] if self.tls else []
         done = subprocess.run(
-            [REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), *args],
+            [REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), *tls_args, *args],
             check=True, capture_output=True, text=True, timeout=_READY_S,
         )
         return done.stdout.strip()
@@ -205,6 +257,14 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory):
         yield cluster.start()
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_tls_server(tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("redis-tls")
+    server = RedisServer(folder, tls=TlsFiles.create(folder / "pki")).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture
