@@ -1,0 +1,254 @@
+"""Payload format: round trips through the header, and every kind of bad
+bytes is refused with PayloadError rather than decoded."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+import xxhash
+
+from flowkv import payload
+from flowkv.codecs import codec_names, get_codec
+from flowkv.payload import PayloadError, PayloadHeader, decode, decode_into, encode, read_header, verify
+
+SHAPE = (3, 2, 17, 2, 16)  # odd token count
+MLA_SHAPE = (2, 1, 33, 1, 24)
+
+
+def make_kv(shape=SHAPE, dtype=torch.float16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(shape, generator=gen)
+    kv[..., 0] *= 10
+    return kv.to(dtype)
+
+
+def resign(blob: bytes, **fields) -> bytes:
+    """Rewrite header fields and recompute the header checksum, as a writer
+    with a different flowkv (or a forger) would; `body_checksum=True`
+    recomputes the body checksum too."""
+    prefix = struct.Struct("<4sHHBBHIQQ")
+    values = list(prefix.unpack_from(blob))
+    names = ["magic", "version", "codec_id", "dtype_code", "ndim", "params_len", "header_length", "body_length", "body_checksum"]
+    header_length = values[6]
+    rest = bytearray(blob[prefix.size : header_length - 8])
+    body = blob[header_length:]
+    if "params" in fields:
+        params_at = 8 * values[4]
+        params = json.dumps(fields.pop("params")).encode()
+        rest = rest[:params_at] + params
+        values[5] = len(params)
+        values[6] = header_length = prefix.size + len(rest) + 8
+    if fields.pop("body_checksum", None):
+        values[8] = xxhash.xxh3_64_intdigest(body)
+    for name, value in fields.items():
+        values[names.index(name)] = value
+    head = prefix.pack(*values) + bytes(rest)
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + body
+
+
+@pytest.mark.parametrize("shape", [SHAPE, MLA_SHAPE])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("codec", codec_names())
+def test_roundtrip_every_codec(codec, dtype, shape):
+    kv = make_kv(shape, dtype)
+    blob = encode(kv, codec)
+    assert isinstance(blob, bytes)
+    header = read_header(blob)
+    assert header == verify(blob)
+    assert (header.codec, header.dtype, header.shape, header.version) == (codec, dtype, shape, payload.FORMAT_VERSION)
+    assert header.payload_length == len(blob)
+    assert header.nbytes == kv.numel() * kv.element_size()
+    decoded = decode(blob, expect_shape=shape, expect_dtype=dtype, expect_codec=codec)
+    into = decode_into(bytearray(blob), torch.full_like(kv, 7.0))
+    assert torch.equal(decoded, into)
+    impl = get_codec(codec)
+    if impl.lossless:
+        assert torch.equal(decoded, kv)
+    else:
+        error = (decoded.double() - kv.double()).abs()
+        assert bool((error <= impl.max_error(kv, impl.resolve_params())).all())
+
+
+def test_codec_params_travel_in_the_header():
+    kv = make_kv()
+    header = read_header(encode(kv, "zstd", level=9))
+    assert header.codec_params == {"level": 9}
+    with pytest.raises(TypeError):
+        header.codec_params["level"] = 1  # read-only
+    blob = encode(kv, "int4", group_size=8)
+    assert read_header(blob).codec_params == {"group_size": 8}
+    # Decoding uses the stored group size (with the default, 16, the body
+    # would not even have the right length).
+    impl = get_codec("int4")
+    error = (decode(blob).double() - kv.double()).abs()
+    assert bool((error <= impl.max_error(kv, impl.resolve_params(group_size=8))).all())
+
+
+def test_accepts_bytes_bytearray_memoryview_and_noncontiguous_input():
+    kv = make_kv(dtype=torch.bfloat16)
+    blob = encode(kv.transpose(2, 3).contiguous().transpose(2, 3), "lz4-shuffle")
+    for form in (blob, bytearray(blob), memoryview(blob), memoryview(bytearray(blob))):
+        assert torch.equal(decode(form), kv)
+    # A multi-byte-format view of the same bytes is read as bytes.
+    padded = blob + b"\0" * (-len(blob) % 4)
+    as_ints = memoryview(bytearray(padded)).cast("I")
+    with pytest.raises(PayloadError, match="after its body"):
+        decode(as_ints)
+    assert read_header(as_ints).codec == "lz4-shuffle"
+
+
+def test_decode_into_writes_the_given_tensor():
+    kv = make_kv()
+    out = torch.empty_like(kv)
+    assert decode_into(encode(kv, "zstd"), out) is out
+    assert torch.equal(out, kv)
+    with pytest.raises(PayloadError, match="expected"):
+        decode_into(encode(kv, "zstd"), torch.empty(SHAPE, dtype=torch.bfloat16))
+    with pytest.raises(PayloadError, match="shape"):
+        decode_into(encode(kv, "zstd"), torch.empty(3, 2, 16, 2, 16, dtype=torch.float16))
+    # Non-contiguous destination: decoded then copied.
+    wide = torch.zeros(3, 2, 17, 2, 32, dtype=torch.float16)
+    decode_into(encode(kv, "none"), wide[..., :16])
+    assert torch.equal(wide[..., :16], kv) and not wide[..., 16:].any()
+
+
+def test_rejects_payload_of_another_codec_when_expected():
+    blob = encode(make_kv(), "lz4")
+    with pytest.raises(PayloadError, match="written with codec 'lz4', expected 'zstd'"):
+        decode(blob, expect_codec="zstd")
+    with pytest.raises(PayloadError, match="expected 'int4'"):
+        decode_into(blob, torch.empty(SHAPE, dtype=torch.float16), expect_codec="int4")
+
+
+def test_rejects_wrong_shape_and_dtype_expectations():
+    blob = encode(make_kv(), "none")
+    with pytest.raises(PayloadError, match=r"holds shape \(3, 2, 17, 2, 16\), expected \(3, 2, 16, 2, 16\)"):
+        decode(blob, expect_shape=(3, 2, 16, 2, 16))
+    with pytest.raises(PayloadError, match="holds dtype torch.float16, expected torch.bfloat16"):
+        decode(blob, expect_dtype=torch.bfloat16)
+    assert decode(blob, expect_shape=torch.Size(SHAPE)).shape == SHAPE
+
+
+@pytest.mark.parametrize("codec", codec_names())
+def test_rejects_flipped_body_bytes(codec):
+    blob = encode(make_kv(), codec)
+    start = read_header(blob).header_length
+    for at in (start, start + 1, (start + len(blob)) // 2, len(blob) - 1):
+        broken = bytearray(blob)
+        broken[at] ^= 0x10
+        with pytest.raises(PayloadError, match="corrupt payload body: checksum mismatch"):
+            decode(broken)
+        with pytest.raises(PayloadError, match="checksum mismatch"):
+            verify(broken)
+
+
+def test_rejects_every_flipped_header_byte():
+    blob = encode(make_kv(), "zstd", level=4)
+    header_length = read_header(blob).header_length
+    for at in range(header_length):
+        for mask in (0x01, 0x80):
+            broken = bytearray(blob)
+            broken[at] ^= mask
+            with pytest.raises(PayloadError):
+                decode(broken)
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd-shuffle", "int4"])
+def test_rejects_truncation_at_many_points(codec):
+    blob = encode(make_kv(), codec)
+    header_length = read_header(blob).header_length
+    cuts = {0, 1, 3, 4, 5, 6, 20, payload.MIN_HEADER_SIZE - 1, payload.MIN_HEADER_SIZE, header_length - 1,
+            header_length, header_length + 1, (header_length + len(blob)) // 2, len(blob) - 1}
+    for cut in sorted(cuts):
+        with pytest.raises(PayloadError, match="truncated"):
+            decode(blob[:cut])
+    with pytest.raises(PayloadError, match="truncated"):
+        read_header(blob[: header_length - 1])
+    assert read_header(blob[:header_length]).codec == codec  # the header alone is enough to read it
+
+
+def test_rejects_trailing_bytes():
+    blob = encode(make_kv(), "lz4")
+    with pytest.raises(PayloadError, match="3 bytes after its body"):
+        decode(blob + b"abc")
+
+
+def test_rejects_wrong_magic_and_foreign_data():
+    blob = encode(make_kv(), "none")
+    with pytest.raises(PayloadError, match=r"not a flowkv payload: magic b'XKVP'"):
+        decode(b"X" + blob[1:])
+    with pytest.raises(PayloadError, match="not a flowkv payload"):
+        decode(torch.randn(100).numpy().tobytes())
+    with pytest.raises(PayloadError, match="bytes-like"):
+        decode("FKVP...")
+
+
+def test_rejects_unknown_version_even_with_valid_checksum():
+    blob = encode(make_kv(), "none")
+    with pytest.raises(PayloadError, match="unsupported payload format version 2 \\(this flowkv reads 1\\)"):
+        decode(resign(blob, version=2))
+
+
+def test_rejects_unknown_codec_and_dtype_with_valid_checksum():
+    blob = encode(make_kv(), "none")
+    with pytest.raises(PayloadError, match="unknown codec id 4242"):
+        decode(resign(blob, codec_id=4242))
+    with pytest.raises(PayloadError, match="unknown dtype code 99"):
+        read_header(resign(blob, dtype_code=99))
+    with pytest.raises(PayloadError, match="header length"):
+        read_header(resign(blob, ndim=4))
+
+
+def test_rejects_bad_stored_params():
+    blob = encode(make_kv(), "zstd")
+    with pytest.raises(PayloadError, match="failed to decode.*no parameter 'levle'"):
+        decode(resign(blob, params={"levle": 3}))
+    with pytest.raises(PayloadError, match="not a JSON object"):
+        read_header(resign(blob, params=[1, 2]))
+
+
+@pytest.mark.parametrize("codec", ["lz4", "zstd", "zstd-shuffle", "none", "fp8", "int8", "int4"])
+def test_codec_failure_behind_valid_checksums_is_a_payload_error(codec):
+    # A body that passes its checksum but is not what the codec wrote (a
+    # writer bug, or a forged payload): the codec's refusal surfaces as
+    # PayloadError naming the codec.
+    kv = make_kv()
+    blob = encode(kv, codec)
+    header_length = read_header(blob).header_length
+    body = blob[header_length:]
+    forged = blob[:header_length] + body[: len(body) // 2]
+    forged = resign(forged, body_length=len(body) // 2, body_checksum=True)
+    with pytest.raises(PayloadError, match=f"codec '{codec}' failed to decode"):
+        decode(forged)
+
+
+def test_header_is_frozen_and_compact():
+    header = read_header(encode(make_kv(), "none"))
+    assert isinstance(header, PayloadHeader)
+    with pytest.raises(AttributeError):
+        header.codec = "lz4"
+    # 32-byte prefix + 5 dims + "{}" params + 8-byte checksum.
+    assert header.header_length == 32 + 5 * 8 + 2 + 8
+
+
+def test_encode_rejects_bad_requests():
+    with pytest.raises(ValueError, match="unknown codec 'lz5'; did you mean 'lz4'"):
+        encode(make_kv(), "lz5")
+    with pytest.raises(ValueError, match="no parameter 'level'"):
+        encode(make_kv(), "lz4", level=3)
+    with pytest.raises(ValueError, match="not torch.float64"):
+        encode(torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="chunk tensor"):
+        encode(torch.zeros(4, 8), "int8")
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        encode(b"kv")
+
+
+def test_scalar_and_zero_sized_tensors_roundtrip():
+    for tensor in (torch.tensor(1.5), torch.empty(0, 4, dtype=torch.bfloat16)):
+        for codec in ("none", "lz4", "zstd-shuffle"):
+            decoded = decode(encode(tensor, codec), expect_shape=tensor.shape)
+            assert torch.equal(decoded, tensor)
