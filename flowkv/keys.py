@@ -27,10 +27,12 @@ Example::
 
 from __future__ import annotations
 
+import array
 import difflib
 import hashlib
 import re
 import struct
+import sys
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -86,9 +88,9 @@ def chunk_spans(num_tokens: int, chunk_size: int, *, save_partial: bool) -> list
 # Hash functions
 # --------------------------------------------------------------------------
 
-# Token ids are packed as little-endian uint32 by the binary hash functions:
-# vocabularies are far below 2**32, and half the bytes of int64 means about
-# twice the hashing speed.
+# Token ids are held as little-endian uint32 and packed so by the binary hash
+# functions: vocabularies are far below 2**32, and half the bytes of int64
+# means about twice the hashing speed.
 _TOKEN_DTYPE = np.dtype("<u4")
 _MAX_TOKEN_ID = 2**32 - 1
 _COUNT = struct.Struct("<I")
@@ -179,10 +181,7 @@ class _BinaryPacked(ChunkHashFunction):
     _new: Any = None
 
     def _prepare(self, tokens: np.ndarray) -> memoryview:
-        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > _MAX_TOKEN_ID):
-            raise ValueError(f"{self.name}: token ids must lie in [0, 2**32), got min "
-                             f"{int(tokens.min())} max {int(tokens.max())}")
-        return memoryview(np.ascontiguousarray(tokens, dtype=_TOKEN_DTYPE).tobytes())
+        return memoryview(tokens).cast("B")
 
     def _chain(self, prepared, spans, extra, parent):
         extra_bytes = cbor2.dumps(extra, canonical=True)
@@ -283,24 +282,36 @@ def get_hash_function(name: str | ChunkHashFunction) -> ChunkHashFunction:
 
 
 def _as_token_array(tokens: Any) -> np.ndarray:
-    """Convert a token sequence to a 1-D integer numpy array (no copy when possible)."""
+    """Convert a token sequence, once, to a 1-D little-endian uint32 array.
+
+    Every hash function starts from this one form, so a list, a numpy array
+    and a torch tensor of equal ids always hash alike. Ids must lie in
+    ``[0, 2**32)``; bools in a list count as 0/1, as Python ints do.
+    """
+    if isinstance(tokens, (list, tuple, range)):
+        try:
+            # array.array converts and range-checks in C: several times
+            # faster than np.asarray on a list of Python ints.
+            packed = array.array("I", tokens)
+        except OverflowError:
+            raise ValueError("token ids must lie in [0, 2**32)") from None
+        except TypeError as exc:
+            raise ValueError(f"token ids must be ints: {exc}") from None
+        ids = np.frombuffer(packed, dtype=np.uint32)
+        return ids.byteswap() if sys.byteorder == "big" else ids
     if isinstance(tokens, np.ndarray):
-        array = tokens
+        ids = tokens
     elif _is_torch_tensor(tokens):
-        array = tokens.detach().cpu().numpy()
-    elif isinstance(tokens, (list, tuple, range)):
-        if not len(tokens):
-            return np.empty(0, np.int64)
-        # No dtype forced: floats, bools and oversized ints then show up as a
-        # non-integer dtype below instead of being silently truncated.
-        array = np.asarray(tokens)
+        ids = tokens.detach().cpu().numpy()
     else:
         raise TypeError(f"tokens must be a list of ints or a 1-D integer tensor/array, got {type(tokens).__name__}")
-    if array.ndim != 1:
-        raise ValueError(f"tokens must be 1-D, got shape {tuple(array.shape)}")
-    if array.dtype.kind not in "iu" or array.dtype == np.bool_:
-        raise ValueError(f"tokens must have an integer dtype, got {array.dtype}")
-    return array
+    if ids.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {tuple(ids.shape)}")
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"tokens must have an integer dtype, got {ids.dtype}")
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) > _MAX_TOKEN_ID):
+        raise ValueError(f"token ids must lie in [0, 2**32), got min {int(ids.min())} max {int(ids.max())}")
+    return np.ascontiguousarray(ids, dtype=_TOKEN_DTYPE)
 
 
 def _is_torch_tensor(value: Any) -> bool:
@@ -343,12 +354,12 @@ def chain_hashes(
     """
     fn = get_hash_function(hash_fn)
     _check_extra(extra)
-    array = _as_token_array(tokens)
-    spans = chunk_spans(int(array.shape[0]), chunk_size, save_partial=partial)
+    token_ids = _as_token_array(tokens)
+    spans = chunk_spans(int(token_ids.shape[0]), chunk_size, save_partial=partial)
     if not spans:
         return []
     try:
-        return fn._chain(fn._prepare(array), spans, extra, fn._parent(parent))
+        return fn._chain(fn._prepare(token_ids), spans, extra, fn._parent(parent))
     except cbor2.CBOREncodeError as exc:
         raise ValueError(f"extra keys are not CBOR-encodable: {exc}") from None
 
