@@ -115,7 +115,7 @@ class Summary:
     tiers: tuple[TierStats, ...]
     transfer_ns: int
     blocked_ns: int
-    overlap_ratio: float | None  # None without layer spans
+    overlap_ratio: float | None  # None without layer spans or without flowkv.wait spans
     suggestions: tuple[str, ...]
 
 
@@ -229,7 +229,9 @@ def summarize(spans: Sequence[SpanRecord]) -> Summary:
 
     over all layers: the fraction of transfer time hidden behind compute.
     1.0 means no transfer ever stalled inference; 0.0 means the inference
-    thread waited through every transfer. It is None without layer spans.
+    thread waited through every transfer. It is None without layer spans,
+    and without any ``flowkv.wait`` span (then nothing says whether the
+    inference thread was blocked).
 
     **Compute between layers.** For each ``flowkv.wait`` of layer L, the
     time from the end of the previous wait (same ``flowkv.step`` parent, or
@@ -371,7 +373,9 @@ def summarize(spans: Sequence[SpanRecord]) -> Summary:
     )
     transfer_ns = sum(layer_transfer.values())
     blocked_ns = sum(layer_blocked.values())
-    overlap_ratio = (transfer_ns - blocked_ns) / transfer_ns if transfer_ns else None
+    # Without any wait span the trace cannot tell hidden from blocked (e.g. runs
+    # traced outside the vLLM connector), so no ratio rather than a false 1.0.
+    overlap_ratio = (transfer_ns - blocked_ns) / transfer_ns if transfer_ns and waits else None
 
     summary = Summary(
         span_count=len(spans),
@@ -550,10 +554,13 @@ def format_summary(summary: Summary) -> str:
                 f"{l.layer:>5} {_ms(l.transfer_ns):>14} {_ms(l.blocked_ns):>14} {compute:>15} "
                 f"{_bytes(l.transfer_bytes) if l.transfer_bytes else '-':>11}"
             )
-        lines.append(
-            f"overlap ratio: {summary.overlap_ratio:.3f} "
-            f"({_ms(summary.transfer_ns - summary.blocked_ns)} of {_ms(summary.transfer_ns)} transfer hidden behind compute)"
-        )
+        if summary.overlap_ratio is None:
+            lines.append("overlap ratio: n/a (no flowkv.wait spans: the trace does not say when inference was blocked)")
+        else:
+            lines.append(
+                f"overlap ratio: {summary.overlap_ratio:.3f} ({_ms(summary.transfer_ns - summary.blocked_ns)} "
+                f"of {_ms(summary.transfer_ns)} transfer hidden behind compute)"
+            )
     else:
         lines.append("")
         lines.append("overlap ratio: n/a (no spans with flowkv.layer: layerwise off)")

@@ -255,3 +255,31 @@ def test_loader_rejects_bad_files_with_file_and_line(tmp_path, content, message)
 def test_loader_names_a_missing_file(tmp_path):
     with pytest.raises(TraceFileError, match="no such trace file"):
         load_spans(tmp_path / "missing.json")
+
+
+def test_file_exporter_keeps_lines_whole_under_concurrent_exports(tmp_path):
+    """SimpleSpanProcessor exports on the ending thread: 4 threads write at once."""
+    import threading
+
+    exporter = OTLPJsonFileExporter(tmp_path)
+    provider = _provider(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("flowkv")
+
+    def worker(number):
+        for layer in range(50):
+            with tracer.start_as_current_span("gather", attributes={"worker": number, "flowkv.layer": layer}):
+                pass
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    provider.shutdown()
+    lines = exporter.path.read_text().splitlines()
+    assert len(lines) == 200
+    assert all(json.loads(line)["resourceSpans"] for line in lines)
+    spans = load_spans(exporter.path)
+    assert sorted((s.attributes["worker"], s.attributes["flowkv.layer"]) for s in spans) == [
+        (n, layer) for n in range(4) for layer in range(50)
+    ]
