@@ -206,8 +206,8 @@ class OTLPJsonFileExporter(SpanExporter):
         pid = os.getpid()
         if self._file is not None and self._file_pid == pid:
             return self._file
-        # After a fork the inherited handle belongs to the parent's file:
-        # drop it without closing (closing would flush the parent's buffer twice).
+        # After a fork the inherited handle points at the parent's file; the
+        # child starts its own (its buffer is empty: every line is flushed).
         self._folder.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = self._folder / f"{self._file_prefix}-{stamp}-{pid}.json"
