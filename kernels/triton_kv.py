@@ -1,0 +1,108 @@
+"""Triton gather/scatter between paged KV and chunk buffers (CUDA; CPU only under
+``TRITON_INTERPRET=1``, which the tests use).
+
+One program moves one token of one (layer, kv) pair: all its heads, read or
+written through the cache's strides, so one kernel serves every layout. The
+grid is ``(num_tokens, layers_in_group * kv)``; a slot of -1 masks the whole
+program's loads and stores. Values are moved as same-width integers, a bitwise
+copy that works for every float type including fp8.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["gather_groups", "scatter_groups"]
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@triton.jit
+def _paged_to_chunk(
+    cache_ptr,
+    chunk_ptr,
+    slot_ptr,
+    num_tokens,
+    num_heads,
+    head_size,
+    block_size,
+    stride_layer,
+    stride_kv,
+    stride_block,
+    stride_offset,
+    stride_head,
+    KV: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_DIM: tl.constexpr,
+    TO_CHUNK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    layer_kv = tl.program_id(1).to(tl.int64)
+    layer = layer_kv // KV
+    kv = layer_kv % KV
+    slot = tl.load(slot_ptr + token)
+    block = slot // block_size
+    offset = slot % block_size
+
+    heads = tl.arange(0, BLOCK_HEADS)[:, None]
+    dims = tl.arange(0, BLOCK_DIM)[None, :]
+    # A skipped slot (-1) gets zero heads; a scalar where() rather than
+    # `mask & (slot >= 0)`, which the interpreter cannot broadcast.
+    live_heads = tl.where(slot >= 0, num_heads, 0)
+    mask = (heads < live_heads) & (dims < head_size)
+    cache_at = (
+        cache_ptr
+        + layer * stride_layer
+        + kv * stride_kv
+        + block * stride_block
+        + offset * stride_offset
+        + heads * stride_head
+        + dims
+    )
+    # Chunk layout: (layer, kv, token, head, dim), contiguous.
+    chunk_at = chunk_ptr + ((layer_kv * num_tokens + token) * num_heads + heads) * head_size + dims
+    if TO_CHUNK:
+        tl.store(chunk_at, tl.load(cache_at, mask=mask), mask=mask)
+    else:
+        tl.store(cache_at, tl.load(chunk_at, mask=mask), mask=mask)
+
+
+def _launch(group: torch.Tensor, chunk: torch.Tensor, slots: torch.Tensor, to_chunk: bool) -> None:
+    num_layers, kv, _, block_size, heads, head_size = group.shape
+    if group.stride(5) != 1 and head_size > 1:
+        raise ValueError(f"the Triton kernels need a contiguous head dim; cache strides are {group.stride()}")
+    bits = _BITS[group.element_size()]
+    s_layer, s_kv, s_block, s_offset, s_head, _ = group.stride()
+    grid = (slots.numel(), num_layers * kv)
+    _paged_to_chunk[grid](
+        group.view(bits),
+        chunk.view(bits),
+        slots,
+        slots.numel(),
+        heads,
+        head_size,
+        block_size,
+        s_layer,
+        s_kv,
+        s_block,
+        s_offset,
+        s_head,
+        KV=kv,
+        BLOCK_HEADS=triton.next_power_of_2(heads),
+        BLOCK_DIM=triton.next_power_of_2(head_size),
+        TO_CHUNK=to_chunk,
+    )
+
+
+def gather_groups(groups: list[tuple[int, torch.Tensor]], slots: torch.Tensor, out: torch.Tensor) -> None:
+    """Copy the tokens at ``slots`` of every layer group into ``out`` (contiguous)."""
+    for first, group in groups:
+        _launch(group, out[first : first + group.shape[0]], slots, to_chunk=True)
+
+
+def scatter_groups(chunk: torch.Tensor, groups: list[tuple[int, torch.Tensor]], slots: torch.Tensor) -> None:
+    """Write ``chunk`` (contiguous) into every layer group at ``slots``; -1 writes nothing."""
+    for first, group in groups:
+        _launch(group, chunk[first : first + group.shape[0]], slots, to_chunk=False)

@@ -1,0 +1,318 @@
+"""flowkv.kernels: geometry, layout detection, and torch gather/scatter for every layout.
+
+Results are checked against a per-token reference written here from the
+layout table, independent of the kernels' own canonical views.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flowkv._testing.paged import layer_shape, make_paged_kv, random_slot_mapping
+from flowkv.kernels import LAYOUTS, KVGeometry, bench_gather_scatter, detect_layout, gather, scatter
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+NUM_BLOCKS = 12
+
+
+def geometry_for(layout: str, dtype=torch.bfloat16, *, num_layers=3, heads=4, head_size=32, block_size=16):
+    return KVGeometry(layout, num_layers, 1 if layout == "mla" else heads, head_size, block_size, dtype)
+
+
+def token_view(layer: torch.Tensor, layout: str, slot: int, block_size: int, head_size: int) -> torch.Tensor:
+    """One token of one layer as a writable (kv, heads, head_size) view, read
+    straight off the layout table."""
+    block, offset = divmod(slot, block_size)
+    if layout == "cpu":
+        return layer[block, :, offset].unflatten(-1, (2, head_size)).transpose(0, 1)
+    if layout == "flash_kv_nhd":
+        return layer[:, block, offset]
+    if layout == "flash_kv_hnd":
+        return layer[:, block, :, offset]
+    if layout == "flash_blocks_nhd":
+        return layer[block, :, offset]
+    if layout == "flash_blocks_hnd":
+        return layer[block, :, :, offset]
+    assert layout == "mla"
+    return layer[block, offset].view(1, 1, head_size)
+
+
+def reference_gather(caches, g: KVGeometry, slots, layers=None) -> torch.Tensor:
+    layers = range(g.num_layers) if layers is None else layers
+    chunk = torch.zeros((len(layers),) + g.chunk_shape(len(slots))[1:], dtype=g.dtype)
+    for i, layer in enumerate(layers):
+        for t, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                chunk[i, :, t] = token_view(caches[layer], g.layout, slot, g.block_size, g.head_size)
+    return chunk
+
+
+def reference_scatter(chunk, caches, g: KVGeometry, slots, layers=None) -> None:
+    layers = range(g.num_layers) if layers is None else layers
+    for i, layer in enumerate(layers):
+        for t, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                token_view(caches[layer], g.layout, slot, g.block_size, g.head_size).copy_(chunk[i, :, t])
+
+
+def assert_caches_equal(got, want) -> None:
+    for index, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), f"layer {index} differs"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("num_tokens", [64, 50], ids=["whole-blocks", "partial-last-block"])
+def test_round_trip_is_bitwise(layout, dtype, num_tokens):
+    g = geometry_for(layout, dtype)
+    source = make_paged_kv(g, NUM_BLOCKS, seed=1)
+    slots = random_slot_mapping(num_tokens, g, NUM_BLOCKS, seed=2)
+
+    chunk = gather(source, g, slots, torch.empty(g.chunk_shape(num_tokens), dtype=dtype))
+    assert torch.equal(chunk, reference_gather(source, g, slots))
+
+    restored = make_paged_kv(g, NUM_BLOCKS, seed=0, fill=False)
+    scatter(chunk, restored, g, slots)
+    expected = make_paged_kv(g, NUM_BLOCKS, seed=0, fill=False)
+    reference_scatter(chunk, expected, g, slots)
+    assert_caches_equal(restored, expected)
+    # Every gathered token came back; nothing else was written.
+    assert torch.equal(gather(restored, g, slots, torch.empty_like(chunk)), chunk)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_skipped_slots_are_neither_read_nor_written(layout):
+    g = geometry_for(layout)
+    source = make_paged_kv(g, NUM_BLOCKS, seed=3)
+    slots = random_slot_mapping(40, g, NUM_BLOCKS, seed=4)
+    slots[[0, 17, 39]] = -1
+    sentinel = torch.full(g.chunk_shape(40), 5.0, dtype=g.dtype)
+
+    chunk = gather(source, g, slots, sentinel.clone())
+    assert torch.equal(chunk[:, :, [0, 17, 39]], sentinel[:, :, [0, 17, 39]])
+    assert torch.equal(chunk, reference_gather(source, g, slots) + (slots < 0).view(1, 1, -1, 1, 1) * 5.0)
+
+    restored = make_paged_kv(g, NUM_BLOCKS, seed=0, fill=False)
+    scatter(chunk, restored, g, slots)
+    expected = make_paged_kv(g, NUM_BLOCKS, seed=0, fill=False)
+    reference_scatter(chunk, expected, g, slots)
+    assert_caches_equal(restored, expected)
+
+
+def test_all_slots_skipped_is_a_no_op():
+    g = geometry_for("cpu")
+    source = make_paged_kv(g, NUM_BLOCKS, seed=3)
+    out = torch.full(g.chunk_shape(4), 2.0, dtype=g.dtype)
+    gather(source, g, torch.full((4,), -1), out)
+    assert bool((out == 2.0).all())
+    scatter(out, source, g, torch.full((4,), -1))
+    assert_caches_equal(source, make_paged_kv(g, NUM_BLOCKS, seed=3))
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash_kv_nhd", "flash_blocks_hnd", "mla"])
+@pytest.mark.parametrize("layers", [[1], [0, 2], [2, 1], [1, 2]], ids=str)
+@pytest.mark.parametrize("shared_storage", [True, False], ids=["one-buffer", "per-layer-tensors"])
+def test_layer_subsets(layout, layers, shared_storage):
+    g = geometry_for(layout)
+    source = make_paged_kv(g, NUM_BLOCKS, seed=5, shared_storage=shared_storage)
+    slots = random_slot_mapping(48, g, NUM_BLOCKS, seed=6)
+    out = torch.empty((len(layers),) + g.chunk_shape(48)[1:], dtype=g.dtype)
+    gather(source, g, slots, out, layers=layers)
+    assert torch.equal(out, reference_gather(source, g, slots, layers))
+
+    restored = make_paged_kv(g, NUM_BLOCKS, seed=0, fill=False, shared_storage=shared_storage)
+    scatter(out, restored, g, slots, layers=layers)
+    expected = make_paged_kv(g, NUM_BLOCKS, seed=0, fill=False)
+    reference_scatter(out, expected, g, slots, layers)
+    assert_caches_equal(restored, expected)
+
+
+def blocks_outermost_caches(g: KVGeometry, seed: int) -> list[torch.Tensor]:
+    """Layers interleaved inside each block of one buffer (vLLM's BL* layouts):
+    each layer a strided, non-contiguous view."""
+    per_layer = layer_shape(g, NUM_BLOCKS)
+    generator = torch.Generator().manual_seed(seed)
+    buffer = torch.randn((NUM_BLOCKS, g.num_layers, *per_layer[1:]), generator=generator).to(g.dtype)
+    return [buffer[:, i] for i in range(g.num_layers)]
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash_blocks_nhd", "flash_blocks_hnd", "mla"])
+def test_strided_layers_blocks_outermost(layout):
+    g = geometry_for(layout)
+    source = blocks_outermost_caches(g, seed=7)
+    assert not source[0].is_contiguous()
+    slots = random_slot_mapping(64, g, NUM_BLOCKS, seed=8)
+    chunk = gather(source, g, slots, torch.empty(g.chunk_shape(64), dtype=g.dtype))
+    assert torch.equal(chunk, reference_gather(source, g, slots))
+    restored = [torch.zeros_like(t) for t in source]
+    scatter(chunk, restored, g, slots)
+    expected = [torch.zeros_like(t) for t in source]
+    reference_scatter(chunk, expected, g, slots)
+    assert_caches_equal(restored, expected)
+
+
+def test_head_dim_not_contiguous_uses_indexing_path():
+    g = geometry_for("flash_kv_nhd")
+    physical = torch.randn(g.num_layers, 2, NUM_BLOCKS, g.block_size, g.head_size, g.num_kv_heads).to(g.dtype)
+    source = [layer.transpose(-1, -2) for layer in physical]  # logical (2, nb, bs, H, D), dim stride H
+    slots = random_slot_mapping(30, g, NUM_BLOCKS, seed=9)
+    chunk = gather(source, g, slots, torch.empty(g.chunk_shape(30), dtype=g.dtype))
+    assert torch.equal(chunk, reference_gather(source, g, slots))
+    restored = [torch.zeros_like(t) for t in source]
+    scatter(chunk, restored, g, slots)
+    expected = [torch.zeros_like(t) for t in source]
+    reference_scatter(chunk, expected, g, slots)
+    assert_caches_equal(restored, expected)
+
+
+def test_dict_of_layers_keeps_insertion_order():
+    g = geometry_for("cpu")
+    source = make_paged_kv(g, NUM_BLOCKS, seed=10)
+    named = {f"model.layers.{i}.self_attn": t for i, t in zip([2, 0, 1], source)}
+    slots = random_slot_mapping(20, g, NUM_BLOCKS, seed=11)
+    chunk = gather(named, g, slots, torch.empty(g.chunk_shape(20), dtype=g.dtype))
+    assert torch.equal(chunk, reference_gather(source, g, slots))
+    assert detect_layout(named, num_kv_heads=4, head_size=32).num_layers == 3
+
+
+def test_bad_arguments_are_reported():
+    g = geometry_for("cpu")
+    caches = make_paged_kv(g, NUM_BLOCKS, seed=0)
+    slots = random_slot_mapping(20, g, NUM_BLOCKS, seed=0)
+    out = torch.empty(g.chunk_shape(20), dtype=g.dtype)
+    with pytest.raises(ValueError, match=r"expected \(3, 2, 20, 4, 32\)"):
+        gather(caches, g, slots, torch.empty(g.chunk_shape(21), dtype=g.dtype))
+    with pytest.raises(ValueError, match="bfloat16"):
+        gather(caches, g, slots, out.float())
+    with pytest.raises(ValueError, match="valid slots"):
+        gather(caches, g, torch.full((20,), NUM_BLOCKS * g.block_size), out)
+    with pytest.raises(ValueError, match="valid slots"):
+        scatter(out, caches, g, torch.full((20,), -2))
+    with pytest.raises(ValueError, match="got 2 KV layers"):
+        gather(caches[:2], g, slots, out)
+    with pytest.raises(ValueError, match="layers"):
+        gather(caches, g, slots, out[:1], layers=[3])
+    with pytest.raises(ValueError, match="1-D"):
+        gather(caches, g, slots.view(2, 10), out)
+    with pytest.raises(ValueError, match="contiguous"):
+        gather(caches, g, slots, out.transpose(3, 4).contiguous().transpose(3, 4))
+    with pytest.raises(ValueError, match="impl"):
+        gather(caches, g, slots, out, impl="cuda")
+    with pytest.raises(ValueError, match="does not match layout"):
+        gather(make_paged_kv(geometry_for("flash_kv_nhd"), NUM_BLOCKS, seed=0), g, slots, out)
+
+
+def test_geometry_shapes_and_sizes():
+    g = KVGeometry("flash_kv_hnd", 8, 8, 128, 16, torch.bfloat16)
+    assert g.kv == 2
+    assert g.chunk_shape(256) == (8, 2, 256, 8, 128)
+    assert g.token_bytes == 8 * 2 * 8 * 128 * 2
+    mla = KVGeometry("mla", 4, 1, 576, 64, torch.float16)
+    assert mla.kv == 1
+    assert mla.chunk_shape(10) == (4, 1, 10, 1, 576)
+    assert mla.token_bytes == 4 * 576 * 2
+    with pytest.raises(ValueError, match="one latent head"):
+        KVGeometry("mla", 4, 8, 576, 64, torch.float16)
+    with pytest.raises(ValueError, match="unknown KV layout 'paged'"):
+        KVGeometry("paged", 4, 8, 128, 16, torch.float16)
+    with pytest.raises(ValueError, match="block_size"):
+        KVGeometry("cpu", 4, 8, 128, 0, torch.float16)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_detect_layout_on_each_layout(layout):
+    g = geometry_for(layout, torch.float16)
+    caches = make_paged_kv(g, NUM_BLOCKS, seed=0)
+    assert detect_layout(caches, num_kv_heads=4, head_size=32) == g
+    assert detect_layout(caches, num_kv_heads=4, head_size=32, block_size=16) == g
+
+
+def test_detect_layout_errors_name_the_shape():
+    unknown = [torch.zeros(3, 7, 16, 32)]
+    with pytest.raises(ValueError, match=r"\(3, 7, 16, 32\) fits no known KV layout"):
+        detect_layout(unknown, num_kv_heads=4, head_size=32)
+    caches = make_paged_kv(geometry_for("cpu"), NUM_BLOCKS, seed=0)
+    with pytest.raises(ValueError, match="fits no known KV layout"):
+        detect_layout(caches, num_kv_heads=4, head_size=32, block_size=32)
+    with pytest.raises(ValueError, match="layers disagree"):
+        detect_layout([caches[0], caches[1][:4]], num_kv_heads=4, head_size=32)
+    with pytest.raises(ValueError, match="empty"):
+        detect_layout([], num_kv_heads=4, head_size=32)
+
+
+def test_detect_layout_ambiguity_needs_a_hint():
+    # 16 heads and block size 16: NHD and HND shapes are the same.
+    g = KVGeometry("flash_kv_hnd", 2, 16, 64, 16, torch.float16)
+    caches = make_paged_kv(g, 4, seed=0)
+    with pytest.raises(ValueError, match=r"ambiguous between \['flash_kv_hnd', 'flash_kv_nhd'\]"):
+        detect_layout(caches, num_kv_heads=16, head_size=64)
+    assert detect_layout(caches, num_kv_heads=16, head_size=64, backend_hint="HND").layout == "flash_kv_hnd"
+    assert detect_layout(caches, num_kv_heads=16, head_size=64, backend_hint="LBNHC").layout == "flash_kv_nhd"
+    # Two blocks: flash-attn (2, nb, ...) and flashinfer (nb, 2, ...) look alike too.
+    two_blocks = [torch.zeros(2, 2, 16, 4, 64)]
+    with pytest.raises(ValueError, match="ambiguous"):
+        detect_layout(two_blocks, num_kv_heads=4, head_size=64)
+    assert detect_layout(two_blocks, num_kv_heads=4, head_size=64, backend_hint="FLASHINFER").layout == (
+        "flash_blocks_nhd"
+    )
+    assert detect_layout(two_blocks, num_kv_heads=4, head_size=64, backend_hint=["FLASH_ATTN", "NHD"]).layout == (
+        "flash_kv_nhd"
+    )
+    # A hint never overrides an unambiguous shape.
+    cpu = make_paged_kv(geometry_for("cpu"), NUM_BLOCKS, seed=0)
+    assert detect_layout(cpu, num_kv_heads=4, head_size=32, backend_hint="FLASHINFER").layout == "cpu"
+
+
+def test_detect_layout_on_vllm_cpu_shapes():
+    # Shapes seen from vLLM's CPU backend (VLLM_CPU_NOTES.md).
+    g = detect_layout([torch.zeros(4096, 2, 128, 128)] * 2, num_kv_heads=2, head_size=64, backend_hint="CPU_ATTN")
+    assert (g.layout, g.block_size, g.num_kv_heads) == ("cpu", 128, 2)
+    mla = detect_layout([torch.zeros(10, 64, 576)], num_kv_heads=128, head_size=576, backend_hint="FLASHMLA")
+    assert (mla.layout, mla.num_kv_heads, mla.block_size) == ("mla", 1, 64)
+
+
+def test_fingerprint_is_stable_across_processes():
+    g = KVGeometry("cpu", 8, 8, 128, 16, torch.bfloat16)
+    code = (
+        "import torch; from flowkv.kernels import KVGeometry; "
+        "print(KVGeometry('cpu', 8, 8, 128, 16, torch.bfloat16).fingerprint())"
+    )
+    seen = {
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+        for _ in range(2)
+    }
+    assert seen == {g.fingerprint()}
+    others = {
+        KVGeometry("cpu", 8, 8, 128, 16, torch.float16).fingerprint(),
+        KVGeometry("flash_kv_nhd", 8, 8, 128, 16, torch.bfloat16).fingerprint(),
+        KVGeometry("cpu", 8, 8, 128, 32, torch.bfloat16).fingerprint(),
+        KVGeometry("cpu", 8, 4, 128, 16, torch.bfloat16).fingerprint(),
+        KVGeometry("cpu", 8, 8, 64, 16, torch.bfloat16).fingerprint(),
+        KVGeometry("cpu", 4, 8, 128, 16, torch.bfloat16).fingerprint(),
+    }
+    assert len(others) == 6 and g.fingerprint() not in others
+
+
+def test_synthetic_cache_is_deterministic_and_shares_one_buffer():
+    g = geometry_for("cpu", torch.float16)
+    a, b = make_paged_kv(g, NUM_BLOCKS, seed=4), make_paged_kv(g, NUM_BLOCKS, seed=4)
+    assert_caches_equal(a, b)
+    assert not torch.equal(a[0], make_paged_kv(g, NUM_BLOCKS, seed=5)[0])
+    assert len({t.untyped_storage().data_ptr() for t in a}) == 1
+    slots = random_slot_mapping(40, g, NUM_BLOCKS, seed=1)
+    blocks = slots // g.block_size
+    assert torch.equal(slots % g.block_size, torch.arange(40) % g.block_size)
+    assert len(set(blocks[::16].tolist())) == 3
+    with pytest.raises(ValueError, match="need 13 blocks"):
+        random_slot_mapping(200, g, NUM_BLOCKS, seed=1)
+
+
+def test_bench_reports_throughput_against_copy():
+    result = bench_gather_scatter(KVGeometry("cpu", 2, 2, 64, 32, torch.bfloat16), num_tokens=256, repeats=1)
+    assert result["bytes"] == 2 * 2 * 256 * 2 * 64 * 2
+    assert result["gather_gbps"] > 0 and result["copy_gbps"] > 0
+    assert result["gather_vs_copy"] == pytest.approx(result["gather_gbps"] / result["copy_gbps"])
