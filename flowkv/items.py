@@ -30,6 +30,10 @@ class Request:
     pin: bool = False  # lookup: pin what it finds
     # Filled by retrieve: True for every token whose KV was loaded.
     ret_mask: torch.Tensor | None = None
+    # Tokens at the start that the mask covers (chunk-aligned), set by the engine.
+    masked: int = 0
+    # End of the contiguous hit the lookup stage found (tokens from 0).
+    hit_tokens: int | None = None
     # Token range [start, end) that lookup promised but retrieve could not load.
     failed_range: tuple[int, int] | None = None
 
@@ -49,7 +53,8 @@ class Chunk:
     key: Any = None  # flowkv.keys.CacheKey once chunk-hash ran
     key_str: str | None = None  # key.to_str(), what tiers index by
     skip: bool = False  # masked by the engine's own cache: keep in the hash chain, move no data
-    obj: Any = None  # flowkv.memory.MemoryObj holding raw KV (layers, kv, tokens, heads, dim)
+    obj: Any = None  # flowkv.memory.MemoryObj this chunk's data lives in (raw KV or encoded)
+    kv: torch.Tensor | None = None  # raw KV, shape (layers, kv, tokens, heads, head_size)
     payload: Any = None  # encoded bytes (header + body) for codecs and byte tiers
     tier: str | None = None  # where lookup found it / where put stored it
     layers: tuple[int, ...] | None = None  # layerwise: the layers this item carries
@@ -79,6 +84,21 @@ class RunContext:
     _recorder: Callable[[dict[str, Any]], None] | None = None
     # Totals the stages report, readable after the run (traced or not).
     totals: dict[str, float] = attrs.field(factory=dict)
+    # Called once the run is over, whatever its end: releases what stages took.
+    _deferred: list[Callable[[], Any]] = attrs.field(factory=list)
+
+    def defer(self, callback: Callable[[], Any]) -> None:
+        """Call ``callback`` when the run ends (e.g. drop a reference a stage took)."""
+        self._deferred.append(callback)
+
+    def run_deferred(self) -> None:
+        """Call the deferred callbacks, newest first; the runner's caller does this."""
+        while self._deferred:
+            callback = self._deferred.pop()
+            try:
+                callback()
+            except Exception:  # one failed release must not keep the others from running
+                pass
 
     def record(self, **attributes: Any) -> None:
         """Attach attributes (bytes=, tier=, hit_tokens=, ...) to the running stage's span.

@@ -78,6 +78,15 @@ class StageSpec:
         return attrs.asdict(self.config, recurse=False)
 
 
+@attrs.frozen(kw_only=True)
+class TierGuardSpec:
+    """Keys every non-memory tier table accepts besides its kind's own."""
+
+    timeout_s: float = 1.0  # every call to the tier is cut off after this
+    backoff_max_s: float = 30.0  # a failed tier is retried after at most this long
+    write_queue: int = 256  # chunks waiting for write-behind; more are dropped and counted
+
+
 @attrs.frozen
 class TierSpec:
     """One ``[tiers.NAME]`` table."""
@@ -87,6 +96,7 @@ class TierSpec:
     info: TierInfo
     config: Any  # instance of info.config_cls
     location: Location
+    guard: TierGuardSpec = TierGuardSpec()
 
 
 @attrs.frozen
@@ -424,10 +434,14 @@ class _Loader:
                     "unknown-tier" if exc.kind == "unknown" else exc.kind,
                 )
                 continue
-            options = {k: v for k, v in table.items() if k != "kind"}
+            guard_keys = [f.name for f in attrs.fields(TierGuardSpec)] if kind != "memory" else []
+            options = {k: v for k, v in table.items() if k != "kind" and k not in guard_keys}
+            guard = self.structure_config(
+                {k: v for k, v in table.items() if k in guard_keys}, TierGuardSpec, path, what=f"tier '{name}'"
+            )
             config = self.structure_config(options, info.config_cls, path, what=f"tier '{name}'")
-            if config is not None:
-                tiers[name] = TierSpec(name, kind, info, config, self.loc(path))
+            if config is not None and guard is not None:
+                tiers[name] = TierSpec(name, kind, info, config, self.loc(path), guard)
         return tiers
 
     def structure_stages(self, raw: dict[str, Any], kind: str) -> tuple[StageSpec, ...]:

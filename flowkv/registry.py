@@ -30,12 +30,12 @@ PIPELINE_KINDS = ("store", "retrieve", "lookup")
 BUILTIN_STAGES: dict[str, str] = {
     "tokenize": "flowkv.stages.chunking:tokenize",
     "chunk-hash": "flowkv.stages.chunking:chunk_hash",
-    "allocate": "flowkv.stages.memory:allocate",
+    "allocate": "flowkv.stages.tiering:allocate",
     "gather": "flowkv.stages.transfer:gather",
     "compress": "flowkv.stages.codec:compress",
-    "put": "flowkv.stages.memory:put",
-    "lookup": "flowkv.stages.memory:lookup",
-    "get": "flowkv.stages.memory:get",
+    "put": "flowkv.stages.tiering:put",
+    "lookup": "flowkv.stages.tiering:lookup",
+    "get": "flowkv.stages.tiering:get",
     "decompress": "flowkv.stages.codec:decompress",
     "scatter": "flowkv.stages.transfer:scatter",
     "pass-through": "flowkv.stages.basic:pass_through",
@@ -44,7 +44,7 @@ BUILTIN_STAGES: dict[str, str] = {
 
 # Built-in tier kinds: name -> "module:attribute", imported lazily.
 BUILTIN_TIERS: dict[str, str] = {
-    "memory": "flowkv.memory:MemoryTierKind",
+    "memory": "flowkv.stages.tiering:MemoryTierKind",
     "disk": "flowkv.tiers.disk:DiskTier",
     "redis": "flowkv.tiers.redis:RedisTier",
 }
