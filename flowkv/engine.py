@@ -647,7 +647,7 @@ class _WriteBehind:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"write_queue": len(self._queue), "write_queued": self.queued,
-                    "write_dropped": self.dropped, "write_batches_done": self.written}
+                    "write_dropped": self.dropped, "write_done": self.written}
 
 
 def _as_tokens(tokens: Any) -> torch.Tensor:
