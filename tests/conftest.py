@@ -1,0 +1,6 @@
+"""Shared test set-up: no model hub, ever."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
