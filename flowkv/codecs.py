@@ -431,10 +431,34 @@ def _section(body: memoryview, dtype: torch.dtype, count: int, offset: int, devi
     return values, offset + values.numel() * values.element_size()
 
 
-def _to_body(*parts: torch.Tensor) -> np.ndarray:
-    """Concatenate tensors' bytes into one CPU buffer (one device-to-host copy)."""
-    flat = torch.cat([p.contiguous().reshape(-1).view(torch.uint8) for p in parts])
-    return flat.cpu().numpy()
+def _new_body(nbytes: int, device: torch.device) -> torch.Tensor:
+    """The encoded body, written in place by the quantizer on `device`.
+
+    fp32 statistics go first so that their views stay 4-byte aligned.
+    """
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _finish_body(body: torch.Tensor) -> np.ndarray:
+    return body.cpu().numpy()
+
+
+def _pack_nibbles(codes: torch.Tensor, packed: torch.Tensor) -> None:
+    """Codes 0..15 (flat uint8) into `packed`: element 2i low nibble, 2i+1 high.
+
+    Viewed as little-endian int16, a pair (a, b) is a + 256 b, and
+    (v & 15) | (v >> 4) is a + 16 b: three vectorized ops, no strided access.
+    """
+    if codes.numel() % 2:
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    pairs = codes.view(torch.int16)
+    packed.copy_(torch.bitwise_or(pairs & 15, pairs >> 4))
+
+
+def _unpack_nibbles(packed: torch.Tensor, count: int) -> torch.Tensor:
+    wide = packed.to(torch.int16)
+    pairs = torch.bitwise_or(wide & 15, (wide & 0xF0) << 4)
+    return pairs.view(torch.uint8)[:count]
 
 
 @attrs.frozen
@@ -453,6 +477,7 @@ class Fp8Codec(Codec):
     """float8 e4m3 values with an fp32 scale per token or per group.
 
     scale = amax(|x| in group) / 448; stored q = e4m3(x / scale).
+    Body: the scales (fp32, group order), then the e4m3 codes.
     """
 
     name = "fp8"
@@ -488,20 +513,23 @@ class Fp8Codec(Codec):
         if not bool(torch.isfinite(amax).all()):
             raise ValueError("fp8 codec cannot encode non-finite values (inf or nan in the KV)")
         scale = torch.where(amax > 0, amax / _FP8_MAX, torch.ones_like(amax))
+        groups = scale.numel()
+        body = _new_body(4 * groups + x.numel(), kv.device)
+        body[: 4 * groups].view(torch.float32).copy_(scale.reshape(-1))
         # x / scale may land a hair above 448 through rounding; e4m3fn has no
         # infinity, so an unclamped overflow would become nan.
-        q = (x / scale).clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
-        return _to_body(q, scale)
+        body[4 * groups :].view(torch.float8_e4m3fn).view(x.shape).copy_(torch.div(x, scale).clamp_(-_FP8_MAX, _FP8_MAX))
+        return _finish_body(body)
 
     def decode_into(self, body: memoryview, params: Fp8Params, out: torch.Tensor) -> None:
         group = self._group(tuple(out.shape), params)
         count = out.numel()
         groups = count // group if group else 0
         _check_body_size(self.name, body, count + 4 * groups)
-        q, offset = _section(body, torch.float8_e4m3fn, count, 0, out.device)
-        scale, _ = _section(body, torch.float32, groups, offset, out.device)
+        scale, offset = _section(body, torch.float32, groups, 0, out.device)
+        q, _ = _section(body, torch.float8_e4m3fn, count, offset, out.device)
         if count:
-            out.copy_((q.reshape(-1, group).float() * scale.reshape(-1, 1)).reshape(out.shape))
+            out.view(-1, group).copy_(q.view(-1, group).float().mul_(scale.view(-1, 1)))
 
     def max_error(self, kv: torch.Tensor, params: Fp8Params) -> torch.Tensor:
         x, amax = self._groups(kv, params)
@@ -528,10 +556,10 @@ class IntParams:
 class _IntCodec(Codec):
     """Asymmetric uniform quantization, KIVI layout, fp32 scales and minima.
 
-    Body: quantized codes for the whole tensor (layer, kv, token, head,
-    channel order; int4 packs element 2i in the low nibble and 2i+1 in the
-    high nibble of byte i), then key minima, key scales, value minima, value
-    scales as fp32.
+    Body: key minima, key scales, value minima, value scales (fp32; no key
+    ones when kv == 1), then the codes for the whole tensor in (layer, kv,
+    token, head, channel) order; int4 packs element 2i in the low nibble and
+    2i+1 in the high nibble of byte i.
     """
 
     lossless = False
@@ -552,24 +580,25 @@ class _IntCodec(Codec):
             raise ValueError(f"{self.name} group_size {group} does not divide head_size {head_size}")
         return group
 
+    def _grouped(self, part: torch.Tensor, index: int, kvs: int, group: int) -> tuple[torch.Tensor, int]:
+        """One kv index of the chunk (layers, tokens, heads, head_size), shaped
+        for its statistics, and the dim they reduce over."""
+        if kvs == 2 and index == 0:
+            # Keys: reduce over tokens -> one (min, scale) per layer, head, channel.
+            return part, 1
+        layers, tokens, heads, head_size = part.shape
+        per_head = head_size // group if group else 0
+        return part.reshape(layers, tokens, heads, per_head, group), -1
+
     def _stats(self, kv: torch.Tensor, params: IntParams) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(kv index, grouped fp32 view, min, scale) for keys then values."""
-        layers, kvs, tokens, heads, head_size = kv.shape
         group = self._value_group(tuple(kv.shape), params)
         x = kv.float()
         parts = []
-        for index in range(kvs):
-            part = x[:, index]
-            if kvs == 2 and index == 0:
-                # Keys: reduce over tokens -> one (min, scale) per layer, head, channel.
-                grouped = part
-                dim = 1
-            else:
-                grouped = part.reshape(layers, tokens, heads, head_size // group if group else 0, group)
-                dim = -1
+        for index in range(kv.shape[1]):
+            grouped, dim = self._grouped(x[:, index], index, kv.shape[1], group)
             if grouped.numel():
-                lo = grouped.amin(dim=dim, keepdim=True)
-                hi = grouped.amax(dim=dim, keepdim=True)
+                lo, hi = torch.aminmax(grouped, dim=dim, keepdim=True)
             else:
                 stat_shape = list(grouped.shape)
                 stat_shape[dim] = 1
@@ -592,21 +621,24 @@ class _IntCodec(Codec):
 
     def encode(self, kv: torch.Tensor, params: IntParams) -> Any:
         kv = kv.detach()
-        codes = torch.empty(kv.shape, dtype=torch.uint8, device=kv.device)
-        stats = []
-        for index, grouped, lo, scale in self._stats(kv, params):
+        parts = self._stats(kv, params)
+        stat_bytes = 8 * sum(lo.numel() for _, _, lo, _ in parts)
+        body = _new_body(stat_bytes + self._code_bytes(kv.numel()), kv.device)
+        stats = body[:stat_bytes].view(torch.float32)
+        codes = body[stat_bytes:] if self.bits == 8 else torch.empty(kv.numel(), dtype=torch.uint8, device=kv.device)
+        codes = codes.view(kv.shape)
+        offset = 0
+        for index, grouped, lo, scale in parts:
             if not (bool(torch.isfinite(lo).all()) and bool(torch.isfinite(scale).all())):
                 raise ValueError(f"{self.name} codec cannot encode non-finite values (inf or nan in the KV)")
-            q = ((grouped - lo) / scale).round_().clamp_(0, self._levels)
-            codes[:, index] = q.to(torch.uint8).reshape(codes[:, index].shape)
-            stats += [lo, scale]
-        flat = codes.reshape(-1)
+            for stat in (lo, scale):
+                stats[offset : offset + stat.numel()].copy_(stat.reshape(-1))
+                offset += stat.numel()
+            q = torch.sub(grouped, lo).div_(scale).round_().clamp_(0, self._levels)
+            codes[:, index].view(q.shape).copy_(q)
         if self.bits == 4:
-            if flat.numel() % 2:
-                flat = torch.cat([flat, flat.new_zeros(1)])
-            pairs = flat.view(-1, 2)
-            flat = pairs[:, 0] | (pairs[:, 1] << 4)
-        return _to_body(flat, *stats)
+            _pack_nibbles(codes.view(-1), body[stat_bytes:])
+        return _finish_body(body)
 
     def decode_into(self, body: memoryview, params: IntParams, out: torch.Tensor) -> None:
         shape = tuple(out.shape)
@@ -615,29 +647,24 @@ class _IntCodec(Codec):
         counts = self._stat_counts(shape, params)
         count = out.numel()
         code_bytes = self._code_bytes(count)
-        _check_body_size(self.name, body, code_bytes + 8 * sum(counts))
-        packed, offset = _section(body, torch.uint8, code_bytes, 0, out.device)
+        stat_bytes = 8 * sum(counts)
+        _check_body_size(self.name, body, stat_bytes + code_bytes)
+        stats, _ = _section(body, torch.float32, stat_bytes // 4, 0, out.device)
+        codes, _ = _section(body, torch.uint8, code_bytes, stat_bytes, out.device)
         if self.bits == 4:
-            codes = torch.stack((packed & 0xF, packed >> 4), dim=1).reshape(-1)[:count]
-        else:
-            codes = packed
-        codes = codes.reshape(shape)
-        layers, kvs, tokens, heads, head_size = shape
+            codes = _unpack_nibbles(codes, count)
+        codes = codes.view(shape)
         group = self._value_group(shape, params)
-        for index, stat_count in zip(range(kvs), counts):
-            lo, offset = _section(body, torch.float32, stat_count, offset, out.device)
-            scale, offset = _section(body, torch.float32, stat_count, offset, out.device)
-            if kvs == 2 and index == 0:
-                q = codes[:, 0]
-                lo = lo.reshape(layers, 1, heads, head_size)
-                scale = scale.reshape(layers, 1, heads, head_size)
-            else:
-                per_head = head_size // group if group else 0
-                q = codes[:, index].reshape(layers, tokens, heads, per_head, group)
-                lo = lo.reshape(layers, tokens, heads, per_head, 1)
-                scale = scale.reshape(layers, tokens, heads, per_head, 1)
+        offset = 0
+        for index, stat_count in enumerate(counts):
+            q, dim = self._grouped(codes[:, index], index, shape[1], group)
+            stat_shape = list(q.shape)
+            stat_shape[dim] = 1
+            lo = stats[offset : offset + stat_count].view(stat_shape)
+            scale = stats[offset + stat_count : offset + 2 * stat_count].view(stat_shape)
+            offset += 2 * stat_count
             if q.numel():
-                out[:, index].copy_((q.float() * scale + lo).reshape(out[:, index].shape))
+                out[:, index].view(q.shape).copy_(torch.addcmul(lo, q.float(), scale))
 
     def max_error(self, kv: torch.Tensor, params: IntParams) -> torch.Tensor:
         bound = torch.empty(kv.shape, dtype=torch.float64)
@@ -649,7 +676,7 @@ class _IntCodec(Codec):
             fp32_slack = 4 * 2.0**-24 * (lo.abs() + hi.abs() + scale)
             part = (scale / 2 + fp32_slack).expand(grouped.shape)
             part = _output_rounding(part, grouped.double(), kv.dtype)
-            bound[:, index] = part.reshape(bound[:, index].shape)
+            bound[:, index].view(part.shape).copy_(part)
         return bound
 
 
