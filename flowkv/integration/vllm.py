@@ -1,0 +1,676 @@
+"""flowkv as a vLLM KV connector (vLLM v1 connector API, checked on vLLM 0.32).
+
+Select it with::
+
+    from vllm.config import KVTransferConfig
+    KVTransferConfig(
+        kv_connector="FlowKVConnector",
+        kv_connector_module_path="flowkv.integration.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"pipeline": "local-cpu", "chunk_size": 256},
+    )
+
+or ``vllm serve MODEL --kv-transfer-config '{"kv_connector":"FlowKVConnector",
+"kv_connector_module_path":"flowkv.integration.vllm","kv_role":"kv_both",
+"kv_connector_extra_config":{"pipeline":"local-cpu"}}'``.
+
+``kv_connector_extra_config`` keys
+----------------------------------
+``pipeline``
+    A built-in pipeline name (``local-cpu``) or a path to a pipeline TOML
+    file. Default ``local-cpu``.
+``model_name``
+    The model name cache keys carry. Default: vLLM's ``model`` (the path or
+    hub name it loaded). Set it when one model is served from several paths.
+``ipc_dir``
+    Folder of the scheduler-to-worker lookup sockets. Default
+    ``$TMPDIR/flowkv-<uid>``.
+``save_decode``, ``lookup_timeout_ms``
+    The pipeline's ``[vllm]`` settings: also store the KV of generated
+    tokens (default false); how long the scheduler waits for the workers'
+    lookup answer before it answers 0 hits (default 200).
+any other key
+    Overrides a pipeline setting by its dotted path, e.g.
+    ``"tiers.memory.capacity": "2GiB"``, ``"telemetry.exporter": "file"``; a
+    bare key is one of ``[pipeline]``, e.g. ``"chunk_size": 256``.
+
+A pipeline with errors stops vLLM at start-up with every error listed
+(``FILE:LINE:COL: message``), not at the first request.
+
+Per-request settings come in ``SamplingParams(extra_args={"kv_transfer_params":
+{...}})``: ``"flowkv.tag.<name>": "<value>"`` adds a cache-key tag (requests
+only share KV with requests that carry the same tags), ``"flowkv.skip_save":
+true`` stores nothing for the request. vLLM's ``cache_salt`` and the LoRA
+adapter name are tags too.
+
+A failed load is a cache miss: flowkv sets vLLM's ``kv_load_failure_policy``
+to ``"recompute"``, so vLLM recomputes the blocks a load could not fill
+instead of failing the request.
+
+How it fits vLLM
+----------------
+::
+
+    engine-core process                         worker process (one per rank)
+    FlowKVConnector(role=SCHEDULER)             FlowKVConnector(role=WORKER)
+      get_num_new_matched_tokens ──IPC lookup──▶  LookupServer ─▶ CacheEngine.lookup(pin)
+      update_state_after_alloc                    register_kv_caches: layout, engine
+      build_connector_meta ──FlowKVMetadata──▶    start_load_kv: retrieve into pages
+      request_finished ───IPC release────▶        wait_for_save: store full chunks
+
+Facts checked on vLLM 0.32.0 (CPU backend, 2 layers, 2 KV heads x 64, bf16):
+
+- The worker connector is built (and ``register_kv_caches`` called) before the
+  scheduler connector; both see the same ``vllm_config.instance_id``, which
+  names the IPC sockets.
+- ``register_kv_caches`` gets ``{layer_name: tensor}`` in model order; on CPU
+  each tensor is ``(num_blocks, num_kv_heads, block_size, 2*head_size)``, all
+  views of one buffer (layer stride = half of it with 2 layers).
+- ``get_num_new_matched_tokens(request, num_computed_tokens)``: with prefix
+  caching off ``num_computed_tokens`` is 0; vLLM passes the block-aligned
+  local hit. ``request.kv_transfer_params`` is what the caller put in
+  ``SamplingParams.extra_args["kv_transfer_params"]``; ``request.cache_salt``
+  and ``request.lora_request`` are there too. It is called again for a
+  request that could not be scheduled (no free blocks) and after preemption.
+- ``update_state_after_alloc(request, blocks, n)`` follows at once with
+  ``blocks.get_block_ids() == ([...],)`` (one KV-cache group) and ``n`` the
+  external tokens vLLM accepted (0 when it did not take them).
+- ``build_connector_meta``: ``scheduled_new_reqs[i].block_ids`` is a tuple of
+  per-group lists; ``scheduled_cached_reqs.new_block_ids[i]`` is None or the
+  blocks added this step (all blocks when resumed after preemption);
+  ``num_scheduled_tokens`` maps request id to this step's token count.
+  Decode steps carry no token ids (``new_token_ids`` is empty without
+  pipeline parallelism), so generated tokens are read from the scheduler's
+  ``Request.all_token_ids``.
+- ``start_load_kv`` runs *before* the forward pass only when the scheduler
+  set ``has_sync_kv_loads`` (a request with external tokens and
+  ``load_kv_async=False``), otherwise after it; ``forward_context.attn_metadata``
+  is a dict per layer, or None on the empty step that reports finished ids.
+- ``save_kv_layer`` gets the layer's paged tensor and a
+  ``CPUAttentionMetadata`` (``slot_mapping`` int64 of this step's tokens).
+  ``wait_for_save`` runs once per step after the forward pass, metadata still
+  bound.
+- ``request_finished(request, block_ids)`` runs for finished and aborted
+  requests (also ones aborted while waiting); returning False frees the
+  blocks at once. ``get_finished`` then sees the id in ``finished_req_ids``.
+- ``get_block_ids_with_load_errors`` is read after every step; vLLM cuts the
+  request's computed tokens at the first reported block and recomputes from
+  there, but only when ``kv_load_failure_policy == "recompute"`` (the
+  default ``"fail"`` ends the request with an error). The scheduler reads
+  that policy after constructing the connector.
+- ``RequestOutput.num_cached_tokens`` counts tokens loaded by the connector
+  (with prefix caching off, exactly those).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from flowkv.integration._ipc import (
+    LookupClient,
+    LookupServer,
+    default_ipc_dir,
+    query_worker,
+    socket_path,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("flowkv.integration")
+
+__all__ = ["FlowKVConnector", "FlowKVMetadata", "ConnectorSettings", "worker_stats", "worker_socket"]
+
+DEFAULT_PIPELINE = "local-cpu"
+TAG_PREFIX = "flowkv.tag."
+SKIP_SAVE_KEY = "flowkv.skip_save"
+# Extra-config keys the connector reads itself; every other key overrides the pipeline.
+_CONNECTOR_KEYS = ("pipeline", "model_name", "ipc_dir")
+# Bare extra-config keys that live in the pipeline's [vllm] table.
+_VLLM_SECTION_KEYS = ("save_decode", "lookup_timeout_ms")
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """What the connector takes from ``kv_connector_extra_config``."""
+
+    pipeline: str
+    # Pipeline settings by dotted path, passed on to the pipeline loader.
+    overrides: dict[str, Any]
+    model_name: str
+    ipc_dir: Path
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None, *, default_model: str) -> ConnectorSettings:
+        """Split the extra config into connector keys and pipeline overrides."""
+        extra = dict(extra or {})
+        pipeline = extra.get("pipeline", DEFAULT_PIPELINE)
+        if not isinstance(pipeline, (str, os.PathLike)) or not str(pipeline):
+            raise ValueError(
+                f"kv_connector_extra_config 'pipeline' must be a built-in pipeline name or a TOML path, "
+                f"got {pipeline!r}"
+            )
+        model_name = extra.get("model_name", default_model)
+        if not isinstance(model_name, str) or not model_name:
+            raise ValueError(f"kv_connector_extra_config 'model_name' must be a non-empty string, got {model_name!r}")
+        overrides: dict[str, Any] = {}
+        for key, value in extra.items():
+            if key in _CONNECTOR_KEYS:
+                continue
+            overrides[f"vllm.{key}" if key in _VLLM_SECTION_KEYS else key] = value
+        return cls(
+            pipeline=str(pipeline),
+            overrides=overrides,
+            model_name=model_name,
+            ipc_dir=Path(extra["ipc_dir"]) if extra.get("ipc_dir") else default_ipc_dir(),
+        )
+
+
+# -- what the scheduler sends the workers each step ----------------------------
+
+
+@dataclass
+class LoadSpec:
+    """Load ``[start, end)`` of a request's tokens from flowkv into its blocks.
+
+    ``token_ids`` runs to the end of the last chunk the load touches, so the
+    engine can key every chunk; tokens outside ``[start, end)`` get slot -1
+    and are not written (vLLM holds them already, or will compute them).
+    """
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    start: int
+    end: int
+    # The chunk-aligned prefix the engine need not read at all.
+    skip_prefix: int
+    lookup_id: str | None
+    tags: dict[str, str]
+
+
+@dataclass
+class SaveSpec:
+    """Store the chunks of ``token_ids`` past ``skip_prefix`` (flowkv has those already)."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    skip_prefix: int
+    tags: dict[str, str]
+
+
+@dataclass
+class FlowKVMetadata(KVConnectorMetadata):
+    """One step's loads and saves, built by the scheduler connector."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+# -- scheduler-side bookkeeping -------------------------------------------------
+
+
+@dataclass
+class _RequestState:
+    request: Request  # vLLM's live object: all_token_ids grows as it decodes
+    tags: dict[str, str]
+    skip_save: bool
+    block_ids: list[int] = field(default_factory=list)
+    # Pins held in the workers for this request's latest lookup.
+    lookup_id: str | None = None
+    # Tokens the latest lookup found (chunk-aligned) and the vLLM-computed
+    # tokens it was asked beyond.
+    hit_tokens: int = 0
+    lookup_base: int = 0
+    # A load vLLM accepted and the next step must carry out.
+    pending_load: tuple[int, int] | None = None
+    # Tokens (chunk-aligned) flowkv holds or was asked to store.
+    stored_end: int = 0
+
+
+def request_tags(request: Request) -> tuple[dict[str, str], bool]:
+    """Cache-key tags and the skip-save flag of a vLLM request."""
+    tags: dict[str, str] = {}
+    params = request.kv_transfer_params or {}
+    for key, value in params.items():
+        if isinstance(key, str) and key.startswith(TAG_PREFIX):
+            name = key[len(TAG_PREFIX):]
+            if not name:
+                # Raising here would take down vLLM's engine core, not just this request.
+                logger.warning("flowkv: ignoring kv_transfer_params key %r: it names no tag", key)
+                continue
+            tags[name] = str(value)
+    if getattr(request, "cache_salt", None):
+        tags["cache_salt"] = str(request.cache_salt)
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        tags["lora"] = str(getattr(lora, "lora_name", None) or getattr(lora, "lora_int_id", ""))
+    return tags, bool(params.get(SKIP_SAVE_KEY, False))
+
+
+def _floor(value: int, multiple: int) -> int:
+    return value // multiple * multiple
+
+
+def _ceil(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def worker_socket(vllm_config: VllmConfig, rank: int = 0) -> Path:
+    """The lookup socket of one worker of a running vLLM instance."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config if vllm_config.kv_transfer_config else {}
+    ipc_dir = Path(extra["ipc_dir"]) if extra.get("ipc_dir") else default_ipc_dir()
+    return socket_path(ipc_dir, vllm_config.instance_id, vllm_config.parallel_config.data_parallel_rank, rank)
+
+
+def worker_stats(vllm_config: VllmConfig, rank: int = 0, *, timeout_ms: int = 5000) -> dict[str, Any]:
+    """The flowkv engine statistics of one worker of a running vLLM instance.
+
+    >>> llm = vllm.LLM(model=..., kv_transfer_config=...)          # doctest: +SKIP
+    >>> worker_stats(llm.llm_engine.vllm_config)["pins"]           # doctest: +SKIP
+    0
+    """
+    return query_worker(worker_socket(vllm_config, rank), "stats", timeout_ms=timeout_ms)["stats"]
+
+
+class FlowKVConnector(KVConnectorBase_V1):
+    """flowkv's vLLM KV connector; see the module docstring for its settings."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        from flowkv.pipeline import load_pipeline
+
+        self._settings = ConnectorSettings.from_extra_config(
+            self._kv_transfer_config.kv_connector_extra_config,
+            default_model=vllm_config.model_config.model,
+        )
+        # Loading checks the whole pipeline: a bad one stops vLLM here, in
+        # both processes, with every error listed.
+        self._pipeline = load_pipeline(self._settings.pipeline, overrides=self._settings.overrides)
+        self._chunk_size = self._pipeline.chunk_size
+        self._block_size = vllm_config.cache_config.block_size
+        self._save_decode = self._pipeline.vllm.save_decode
+        self._partial_chunks = self._pipeline.section.save_partial_chunks
+        parallel = vllm_config.parallel_config
+        self._world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        self._dp_rank = parallel.data_parallel_rank
+        self._instance_id = vllm_config.instance_id
+
+        # scheduler side
+        self._lookup_client: LookupClient | None = None
+        self._requests: dict[str, _RequestState] = {}
+        self._lookup_seq = itertools.count()
+        # worker side
+        self._engine: Any = None
+        self._kv_layers: list[torch.Tensor] = []
+        self._server: LookupServer | None = None
+        # The engine is driven from the inference thread and the IPC thread.
+        self._engine_lock = threading.Lock()
+        self._load_error_blocks: set[int] = set()
+
+        if role == KVConnectorRole.SCHEDULER:
+            policy = self._kv_transfer_config.kv_load_failure_policy
+            if policy != "recompute":
+                logger.info("flowkv: kv_load_failure_policy %r -> 'recompute' (a failed load is a cache miss)", policy)
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            paths = [
+                socket_path(self._settings.ipc_dir, self._instance_id, self._dp_rank, rank)
+                for rank in range(self._world_size)
+            ]
+            self._lookup_client = LookupClient(paths, timeout_ms=self._pipeline.vllm.lookup_timeout_ms)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache: a save dropped by preemption is only a future miss.
+        return False
+
+    # ==========================================================================
+    # Scheduler side
+    # ==========================================================================
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens past ``num_computed_tokens`` flowkv can load: whole vLLM
+        blocks, never the request's last token, 0 when the workers do not
+        answer in time."""
+        state = self._state_for(request)
+        self._release(state)
+        state.hit_tokens = 0
+        state.lookup_base = num_computed_tokens
+        num_tokens = request.num_tokens
+        # The last token is always computed: its logits are the next token's.
+        ceiling = _floor(num_tokens - 1, self._block_size)
+        if ceiling <= num_computed_tokens or request.prompt_token_ids is None:
+            return 0, False
+        # Only whole chunks can hit unless the pipeline stores partial ones.
+        lookup_end = num_tokens if self._partial_chunks else _floor(num_tokens, self._chunk_size)
+        if lookup_end <= num_computed_tokens:
+            return 0, False
+        assert self._lookup_client is not None
+        token_ids = request.all_token_ids[:lookup_end]
+        lookup_id = f"{request.request_id}#{next(self._lookup_seq)}"
+        replies = self._lookup_client.ask(
+            {"op": "lookup", "lookup_id": lookup_id, "tags": state.tags}, np.asarray(token_ids, dtype=np.int64)
+        )
+        if replies is None or not all(reply.get("ok") for reply in replies):
+            for reply in replies or ():
+                if not reply.get("ok"):
+                    logger.warning("flowkv: lookup failed on a worker: %s", reply.get("error"))
+            # Pins a late answer may have taken are dropped by this release,
+            # which each worker handles after the lookup it follows.
+            self._lookup_client.tell({"op": "release", "lookup_id": lookup_id})
+            return 0, False
+        state.lookup_id = lookup_id
+        state.hit_tokens = min(int(reply["hit_tokens"]) for reply in replies)
+        # Whole vLLM blocks only: a partial block would be written by the
+        # load and again by the forward pass, or shared with another request.
+        usable = _floor(min(state.hit_tokens, num_tokens - 1), self._block_size)
+        if usable <= num_computed_tokens:
+            self._release(state)
+            return 0, False
+        return usable - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+        """Record the load vLLM accepted, or drop the pins when it took none."""
+        state = self._state_for(request)
+        if num_external_tokens > 0:
+            start = state.lookup_base
+            state.pending_load = (start, start + num_external_tokens)
+        else:
+            self._release(state)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's loads (accepted in ``update_state_after_alloc``) and
+        saves (chunks that this step's forward pass completes)."""
+        meta = FlowKVMetadata()
+        steps: list[tuple[_RequestState, int]] = []
+        for new_req in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new_req.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new_req.block_ids[0])
+            steps.append((state, new_req.num_computed_tokens))
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_blocks = cached.new_block_ids[index]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_blocks[0]) if new_blocks is not None else []
+            elif new_blocks is not None:
+                state.block_ids.extend(new_blocks[0])
+            steps.append((state, cached.num_computed_tokens[index]))
+
+        for state, num_computed in steps:
+            req_id = state.request.request_id
+            if state.pending_load is not None:
+                start, end = state.pending_load
+                state.pending_load = None
+                skip_prefix = _floor(start, self._chunk_size)
+                meta.loads.append(
+                    LoadSpec(
+                        req_id=req_id,
+                        # To the end of the chunk holding the last loaded token
+                        # (a stored partial chunk ends at the hit).
+                        token_ids=list(state.request.all_token_ids[
+                            :min(_ceil(end, self._chunk_size), max(state.hit_tokens, end))
+                        ]),
+                        block_ids=list(state.block_ids),
+                        start=start,
+                        end=end,
+                        skip_prefix=skip_prefix,
+                        lookup_id=state.lookup_id,
+                        tags=state.tags,
+                    )
+                )
+                # The retrieve releases the lookup's pins.
+                state.lookup_id = None
+                # Chunks flowkv served are chunks flowkv holds.
+                state.stored_end = max(state.stored_end, _floor(end, self._chunk_size))
+            if state.skip_save:
+                continue
+            computed_after_step = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            known_tokens = state.request.num_tokens if self._save_decode else state.request.num_prompt_tokens
+            store_end = _floor(min(computed_after_step, known_tokens), self._chunk_size)
+            if store_end > state.stored_end:
+                meta.saves.append(
+                    SaveSpec(
+                        req_id=req_id,
+                        token_ids=list(state.request.all_token_ids[:store_end]),
+                        block_ids=list(state.block_ids),
+                        skip_prefix=state.stored_end,
+                        tags=state.tags,
+                    )
+                )
+                state.stored_end = store_end
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Drop the request's pins; saves are done by the time it finishes, so
+        its blocks can be freed at once."""
+        state = self._requests.pop(request.request_id, None)
+        if state is not None:
+            self._release(state)
+        return False, None
+
+    def _state_for(self, request: Request) -> _RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            tags, skip_save = request_tags(request)
+            state = _RequestState(request=request, tags=tags, skip_save=skip_save)
+            self._requests[request.request_id] = state
+        return state
+
+    def _release(self, state: _RequestState) -> None:
+        if state.lookup_id is not None and self._lookup_client is not None:
+            self._lookup_client.tell({"op": "release", "lookup_id": state.lookup_id})
+        state.lookup_id = None
+
+    # ==========================================================================
+    # Worker side
+    # ==========================================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        """Detect the paged cache's layout, build the engine, serve lookups."""
+        from flowkv.engine import CacheEngine
+        from flowkv.kernels import detect_layout
+
+        spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self._kv_layers = list(kv_caches.values())
+        geometry = detect_layout(
+            kv_caches,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            block_size=self._block_size,
+            backend_hint=self._backend_hints(kv_caches),
+        )
+        rank = self._worker_rank()
+        self._engine = CacheEngine.from_pipeline(
+            self._pipeline,
+            geometry=geometry,
+            model_name=self._settings.model_name,
+            world_size=self._world_size,
+            rank=rank,
+        )
+        if self._engine.chunk_size % self._block_size and self._block_size % self._engine.chunk_size:
+            logger.warning(
+                "flowkv: chunk size %d and vLLM block size %d do not divide each other; "
+                "hits are cut to whole blocks", self._engine.chunk_size, self._block_size,
+            )
+        self._server = LookupServer(
+            socket_path(self._settings.ipc_dir, self._instance_id, self._dp_rank, rank), self._serve
+        )
+        self._server.start()
+        logger.info(
+            "flowkv: worker rank %d serving lookups on %s; pipeline %s, layout %s",
+            rank, self._server.path, self._pipeline.name, geometry.fingerprint(),
+        )
+
+    def _backend_hints(self, kv_caches: Mapping[str, torch.Tensor]) -> list[str]:
+        hints: list[str] = []
+        layers = self._vllm_config.compilation_config.static_forward_context
+        for name in kv_caches:
+            backend = getattr(layers.get(name), "attn_backend", None)
+            if backend is not None:
+                hints.append(backend.get_name())
+                break
+        return hints
+
+    def _worker_rank(self) -> int:
+        from vllm.distributed.parallel_state import (
+            get_pipeline_model_parallel_rank,
+            get_tensor_model_parallel_rank,
+        )
+
+        tp_size = self._vllm_config.parallel_config.tensor_parallel_size
+        return get_pipeline_model_parallel_rank() * tp_size + get_tensor_model_parallel_rank()
+
+    def _serve(self, header: dict[str, Any], tokens: np.ndarray) -> dict[str, Any]:
+        """Answer one IPC request from the scheduler (runs on the server thread)."""
+        op = header.get("op")
+        if op == "lookup":
+            with self._engine_lock:
+                hit = self._engine.lookup(
+                    torch.from_numpy(tokens.copy()), pin=True, tags=header.get("tags") or None,
+                    lookup_id=header["lookup_id"],
+                )
+            return {"hit_tokens": int(hit)}
+        if op == "release":
+            with self._engine_lock:
+                self._engine.release(header["lookup_id"])
+            return {}
+        if op == "stats":
+            with self._engine_lock:
+                return {"stats": self._engine.stats(), "healthy": bool(self._engine.is_healthy())}
+        if op == "ping":
+            return {}
+        raise ValueError(f"unknown flowkv IPC op {op!r}")
+
+    def _slot_mapping(self, block_ids: list[int], num_tokens: int, start: int, end: int) -> torch.Tensor:
+        positions = torch.arange(num_tokens, dtype=torch.int64)
+        blocks = torch.as_tensor(block_ids, dtype=torch.int64)
+        needed = _ceil(min(end, num_tokens), self._block_size) // self._block_size
+        if needed > len(blocks):
+            raise ValueError(f"{len(blocks)} blocks cannot hold {end} tokens of block size {self._block_size}")
+        slots = torch.full((num_tokens,), -1, dtype=torch.int64)
+        inside = positions[start:end]
+        slots[start:end] = blocks[inside // self._block_size] * self._block_size + inside % self._block_size
+        return slots
+
+    def _chunk_mask(self, num_tokens: int, skip_prefix: int) -> torch.Tensor | None:
+        if skip_prefix <= 0:
+            return None
+        mask = torch.zeros(num_tokens, dtype=torch.bool)
+        mask[:skip_prefix] = True
+        return mask
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Retrieve this step's loads into vLLM's pages, before the forward pass."""
+        meta = self._connector_metadata
+        if not isinstance(meta, FlowKVMetadata) or not meta.loads:
+            return
+        for load in meta.loads:
+            tokens = torch.tensor(load.token_ids, dtype=torch.int64)
+            loaded_to = load.start
+            try:
+                slots = self._slot_mapping(load.block_ids, len(tokens), load.start, load.end)
+                with self._engine_lock:
+                    ret_mask = self._engine.retrieve(
+                        tokens, kv_caches=self._kv_layers, slot_mapping=slots,
+                        mask=self._chunk_mask(len(tokens), load.skip_prefix),
+                        tags=load.tags or None, lookup_id=load.lookup_id, request_id=load.req_id,
+                    )
+                window = ret_mask[load.start:load.end]
+                loaded_to = load.end if bool(window.all()) else load.start + int(torch.argmin(window.to(torch.int8)))
+            except Exception:
+                logger.exception("flowkv: retrieve for request %s failed; vLLM recomputes it", load.req_id)
+                with self._engine_lock:
+                    self._release_quietly(load.lookup_id)
+            if loaded_to < load.end:
+                first_bad_block = loaded_to // self._block_size
+                last_block = (load.end - 1) // self._block_size
+                self._load_error_blocks.update(load.block_ids[first_bad_block:last_block + 1])
+                logger.info(
+                    "flowkv: request %s loaded %d of %d tokens; vLLM recomputes the rest",
+                    load.req_id, loaded_to - load.start, load.end - load.start,
+                )
+
+    def _release_quietly(self, lookup_id: str | None) -> None:
+        if lookup_id is None:
+            return
+        try:
+            self._engine.release(lookup_id)
+        except Exception:
+            logger.exception("flowkv: releasing lookup %s failed", lookup_id)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads complete in ``start_load_kv``; nothing to wait for per layer."""
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        """Saves happen once per step in ``wait_for_save``."""
+        return
+
+    def wait_for_save(self):
+        """Store the chunks this step completed; they are in flowkv when this returns."""
+        meta = self._connector_metadata
+        if not isinstance(meta, FlowKVMetadata) or not meta.saves:
+            return
+        for save in meta.saves:
+            tokens = torch.tensor(save.token_ids, dtype=torch.int64)
+            try:
+                slots = self._slot_mapping(save.block_ids, len(tokens), 0, len(tokens))
+                with self._engine_lock:
+                    self._engine.store(
+                        tokens, kv_caches=self._kv_layers, slot_mapping=slots,
+                        mask=self._chunk_mask(len(tokens), save.skip_prefix),
+                        tags=save.tags or None, request_id=save.req_id,
+                    )
+            except Exception:
+                # A store that fails is a later miss; inference goes on.
+                logger.exception("flowkv: store for request %s failed", save.req_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Loads and saves are synchronous: nothing is ever pending."""
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load came back short since the last call (vLLM recomputes them)."""
+        failed, self._load_error_blocks = self._load_error_blocks, set()
+        return failed
+
+    def shutdown(self):
+        """Stop serving lookups and close the engine."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._engine is not None:
+            with self._engine_lock:
+                self._engine.close()
+            self._engine = None
+        if self._lookup_client is not None:
+            self._lookup_client.close()
+            self._lookup_client = None
