@@ -86,7 +86,6 @@ class Runner:
         self.kind = kind
         self.pipeline = pipeline
         self.tracer = tracer or trace.NoOpTracer()
-        self._codes = {s.func.__code__: s for s in self.stages if hasattr(s.func, "__code__")}
 
     def run(
         self,
@@ -124,28 +123,22 @@ class Runner:
     def _run_bare(self, source: Iterable[Any], ctx: RunContext) -> list[Any]:
         generators: list[Iterator[Any]] = []
         iterator: Iterator[Any] = iter(source)
+        # Each generator's frame, so a traceback says which one raised: two stages may
+        # share one function, and a generator source must not be blamed on stage 0.
+        frames: dict[Any, BoundStage | None] = {}
+        if getattr(iterator, "gi_frame", None) is not None:
+            frames[iterator.gi_frame] = None  # type: ignore[attr-defined]
         try:
             for bound in self.stages:
                 iterator = bound.start(iterator, ctx)
                 generators.append(iterator)
+                if getattr(iterator, "gi_frame", None) is not None:
+                    frames[iterator.gi_frame] = bound  # type: ignore[attr-defined]
             return list(iterator)
         except Exception as exc:
-            raise self._blame(exc) from exc
+            raise _blame(exc, frames) from exc
         finally:
             _close_all(generators)
-
-    def _blame(self, exc: BaseException) -> BaseException:
-        """The StageError for ``exc``: the innermost stage frame in its traceback raised it."""
-        if isinstance(exc, StageError):
-            return exc
-        culprit = None
-        tb = exc.__traceback__
-        while tb is not None:
-            culprit = self._codes.get(tb.tb_frame.f_code, culprit)
-            tb = tb.tb_next
-        if culprit is None:
-            return StageError("source", "the run's source", exc)
-        return StageError(culprit.name, culprit.location, exc)
 
     # -- traced -----------------------------------------------------------
     def _run_traced(
@@ -229,6 +222,16 @@ class _Step:
             start = time.perf_counter_ns()
             try:
                 item = next(self.generator)
+            except StopIteration:
+                raise
+            except BaseException as exc:
+                # Mark it here, or stage 0's step would take the source's failure for its own.
+                if getattr(exc, "__flowkv_failed_step__", None) is None:
+                    try:
+                        exc.__flowkv_failed_step__ = self  # type: ignore[attr-defined]
+                    except (AttributeError, TypeError):
+                        pass
+                raise
             finally:
                 self.total_ns += time.perf_counter_ns() - start
             self.items_out += 1
@@ -292,6 +295,21 @@ class _Step:
             pass
         finally:
             span.end()
+
+
+def _blame(exc: BaseException, frames: dict[Any, BoundStage | None]) -> BaseException:
+    """The StageError for ``exc``: the innermost stage (or source) frame in its traceback raised it."""
+    if isinstance(exc, StageError):
+        return exc
+    culprit: BoundStage | None = None
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame in frames:
+            culprit = frames[tb.tb_frame]
+        tb = tb.tb_next
+    if culprit is None:
+        return StageError("source", "the run's source", exc)
+    return StageError(culprit.name, culprit.location, exc)
 
 
 def _close_all(generators: Sequence[Iterator[Any]]) -> None:
