@@ -160,9 +160,11 @@ class Runner:
                 raise StageError("source", "the run's source", exc) from exc
             raise StageError(failed.state.bound.name, failed.state.bound.location, exc) from exc
         finally:
-            _close_all([s.generator for s in steps])
-            for step in steps:
-                step.finish()
+            try:
+                _close_all([s.generator for s in steps])
+            finally:  # a stage that raises while closing must not leave spans open
+                for step in steps:
+                    step.finish()
 
 
 class _StageState:
