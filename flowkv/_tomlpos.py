@@ -161,16 +161,21 @@ class _Scanner:
                 index = self.array_counts.get(name, 0)
                 self.array_counts[name] = index + 1
                 table = name + (index,)
-                self.positions.setdefault(name, (line, col))
+                self._header(name, line, col)
                 self.positions[table] = (line, col)
             elif self.peek() == "[":
                 self.advance()
                 name = tuple(self.key())
                 self.advance()
                 table = self._resolve_table(name)
-                self.positions.setdefault(table, (line, col))
+                self._header(table, line, col)
             else:
                 self.key_value(table)
+
+    def _header(self, table: Path, line: int, col: int) -> None:
+        # [[stor.stages]] first declares 'stor': an error about that section points here.
+        for depth in range(1, len(table) + 1):
+            self.positions.setdefault(table[:depth], (line, col))
 
     def _resolve_table(self, name: Path) -> Path:
         # [a.b] below [[a]] means a sub-table of a's latest element.
