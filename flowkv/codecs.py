@@ -544,13 +544,16 @@ class Fp8Codec(Codec):
 class IntParams:
     """KIVI-style integer quantization parameters.
 
-    Keys get a scale and zero point per channel over the chunk's tokens
-    (per layer, head and channel), since key outliers sit in fixed channels.
-    Values get them per token, over groups of `group_size` channels of one
-    head; 0 means a whole head (head_size channels), N must divide head_size.
+    Keys get a scale and zero point per channel (per layer, head and
+    channel), since key outliers sit in fixed channels, over groups of
+    `key_group_size` consecutive tokens; 0 means all the chunk's tokens, N
+    must divide num_tokens. Values get them per token, over groups of
+    `group_size` channels of one head; 0 means a whole head (head_size
+    channels), N must divide head_size.
     """
 
     group_size: int = attrs.field(default=0, validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)])
+    key_group_size: int = attrs.field(default=0, validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)])
 
 
 class _IntCodec(Codec):
@@ -580,23 +583,31 @@ class _IntCodec(Codec):
             raise ValueError(f"{self.name} group_size {group} does not divide head_size {head_size}")
         return group
 
-    def _grouped(self, part: torch.Tensor, index: int, kvs: int, group: int) -> tuple[torch.Tensor, int]:
+    def _key_group(self, shape: tuple[int, ...], params: IntParams) -> int:
+        tokens = shape[2]
+        group = params.key_group_size or tokens
+        if tokens and tokens % group:
+            raise ValueError(f"{self.name} key_group_size {group} does not divide num_tokens {tokens}")
+        return group
+
+    def _grouped(self, part: torch.Tensor, index: int, kvs: int, group: int, key_group: int) -> tuple[torch.Tensor, int]:
         """One kv index of the chunk (layers, tokens, heads, head_size), shaped
         for its statistics, and the dim they reduce over."""
-        if kvs == 2 and index == 0:
-            # Keys: reduce over tokens -> one (min, scale) per layer, head, channel.
-            return part, 1
         layers, tokens, heads, head_size = part.shape
+        if kvs == 2 and index == 0:
+            # Keys: reduce over a token group -> (min, scale) per layer, token group, head, channel.
+            return part.reshape(layers, tokens // key_group if key_group else 0, key_group, heads, head_size), 2
         per_head = head_size // group if group else 0
         return part.reshape(layers, tokens, heads, per_head, group), -1
 
     def _stats(self, kv: torch.Tensor, params: IntParams) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(kv index, grouped fp32 view, min, scale) for keys then values."""
         group = self._value_group(tuple(kv.shape), params)
+        key_group = self._key_group(tuple(kv.shape), params)
         x = kv.float()
         parts = []
         for index in range(kv.shape[1]):
-            grouped, dim = self._grouped(x[:, index], index, kv.shape[1], group)
+            grouped, dim = self._grouped(x[:, index], index, kv.shape[1], group, key_group)
             if grouped.numel():
                 lo, hi = torch.aminmax(grouped, dim=dim, keepdim=True)
             else:
@@ -613,7 +624,8 @@ class _IntCodec(Codec):
         group = self._value_group(shape, params)
         value_stats = layers * tokens * heads * (head_size // group if group else 0)
         if kvs == 2:
-            return [layers * heads * head_size, value_stats]
+            key_group = self._key_group(shape, params)
+            return [layers * (tokens // key_group if key_group else 0) * heads * head_size, value_stats]
         return [value_stats]
 
     def _code_bytes(self, count: int) -> int:
@@ -655,9 +667,10 @@ class _IntCodec(Codec):
             codes = _unpack_nibbles(codes, count)
         codes = codes.view(shape)
         group = self._value_group(shape, params)
+        key_group = self._key_group(shape, params)
         offset = 0
         for index, stat_count in enumerate(counts):
-            q, dim = self._grouped(codes[:, index], index, shape[1], group)
+            q, dim = self._grouped(codes[:, index], index, shape[1], group, key_group)
             stat_shape = list(q.shape)
             stat_shape[dim] = 1
             lo = stats[offset : offset + stat_count].view(stat_shape)
@@ -687,7 +700,7 @@ class Int8Codec(_IntCodec):
     codec_id = 17
     bits = 8
     error_bound = (
-        "|x' - x| <= scale/2 with scale = (max - min)/255 per key channel (over the chunk's tokens) "
+        "|x' - x| <= scale/2 with scale = (max - min)/255 per key channel (over a token group) "
         "or per value token group, plus fp32 and output-dtype rounding"
     )
 
@@ -699,7 +712,7 @@ class Int4Codec(_IntCodec):
     codec_id = 18
     bits = 4
     error_bound = (
-        "|x' - x| <= scale/2 with scale = (max - min)/15 per key channel (over the chunk's tokens) "
+        "|x' - x| <= scale/2 with scale = (max - min)/15 per key channel (over a token group) "
         "or per value token group, plus fp32 and output-dtype rounding"
     )
 

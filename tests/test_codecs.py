@@ -101,7 +101,10 @@ def test_lossy_roundtrip_within_stated_bound(name, dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("name,params", [("fp8", {"group_size": 8}), ("int8", {"group_size": 4}), ("int4", {"group_size": 8})])
+@pytest.mark.parametrize(
+    "name,params",
+    [("fp8", {"group_size": 8}), ("int8", {"group_size": 4, "key_group_size": 19}), ("int4", {"group_size": 8, "key_group_size": 1})],
+)
 def test_lossy_group_sizes(name, params, dtype):
     kv = kv_like((2, 2, 19, 2, 16), dtype)
     codec, resolved, decoded, _ = roundtrip(name, kv, **params)
@@ -167,6 +170,8 @@ def test_lossy_rejects_non_finite_and_non_chunk_input(name):
 def test_group_size_must_divide():
     with pytest.raises(ValueError, match="does not divide"):
         get_codec("int4").encode(torch.zeros(1, 2, 4, 1, 12), get_codec("int4").resolve_params(group_size=5))
+    with pytest.raises(ValueError, match="key_group_size 3 does not divide num_tokens 4"):
+        get_codec("int8").encode(torch.zeros(1, 2, 4, 1, 12), get_codec("int8").resolve_params(key_group_size=3))
     with pytest.raises(ValueError, match="does not divide"):
         get_codec("fp8").encode(torch.zeros(1, 2, 4, 1, 12), get_codec("fp8").resolve_params(group_size=5))
 
@@ -232,3 +237,17 @@ def test_registry_names_ids_and_errors():
     with pytest.raises(ValueError, match="reserved"):
         register_codec(Reserved())
     assert "mine" not in codec_names()
+
+
+def test_int_key_groups_split_the_token_range():
+    # RoPE makes key channels oscillate along tokens; groups of fewer tokens
+    # see smaller ranges, and the body carries one (min, scale) per group.
+    layers, kv_n, tokens, heads, head_size = shape = (1, 2, 32, 2, 16)
+    kv = kv_like(shape, torch.float32)
+    kv[:, 0] += torch.linspace(-50, 50, tokens).reshape(1, tokens, 1, 1)  # drift along tokens
+    codec, params, grouped, body = roundtrip("int4", kv, key_group_size=8)
+    _, _, whole, _ = roundtrip("int4", kv)
+    assert (grouped[:, 0] - kv[:, 0]).abs().max() < 0.5 * (whole[:, 0] - kv[:, 0]).abs().max()
+    assert bool(((grouped.double() - kv.double()).abs() <= codec.max_error(kv, params)).all())
+    stats = 2 * 4 * (layers * (tokens // 8) * heads * head_size + layers * tokens * heads)
+    assert len(memoryview(body).cast("B")) == layers * kv_n * tokens * heads * head_size // 2 + stats

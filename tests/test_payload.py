@@ -79,7 +79,7 @@ def test_codec_params_travel_in_the_header():
     with pytest.raises(TypeError):
         header.codec_params["level"] = 1  # read-only
     blob = encode(kv, "int4", group_size=8)
-    assert read_header(blob).codec_params == {"group_size": 8}
+    assert read_header(blob).codec_params == {"group_size": 8, "key_group_size": 0}
     # Decoding uses the stored group size (with the default, 16, the body
     # would not even have the right length).
     impl = get_codec("int4")

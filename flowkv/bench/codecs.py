@@ -249,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"input: {source}")
     print(f"shape {tuple(kv.shape)} {info['dtype']}, {info['raw_bytes'] / 2**20:.1f} MiB, torch threads {info['torch_threads']}")
     print("ratio = raw / payload; x none = against the none codec in this run; GB/s of raw KV bytes")
-    header = f"{'codec':<22} {'ratio':>6} {'size x none':>11} {'enc GB/s':>9} {'x none':>7} {'dec GB/s':>9} {'x none':>7}  error"
+    header = f"{'codec':<34} {'ratio':>6} {'size x none':>11} {'enc GB/s':>9} {'x none':>7} {'dec GB/s':>9} {'x none':>7}  error"
     print(header)
     print("-" * len(header))
     for row in rows:
@@ -263,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
             if "keys_rel_l2_err" in row:
                 error += f" [K {row['keys_rel_l2_err']:.2%} V {row['values_rel_l2_err']:.2%}]"
         print(
-            f"{row['codec']:<22} {row['ratio']:>6.2f} {row['size_vs_none']:>11.3f} {row['encode_gbps']:>9.2f} "
+            f"{row['codec']:<34} {row['ratio']:>6.2f} {row['size_vs_none']:>11.3f} {row['encode_gbps']:>9.2f} "
             f"{row['encode_vs_none']:>7.3f} {row['decode_gbps']:>9.2f} {row['decode_vs_none']:>7.3f}  {error}"
         )
     failed = [row["codec"] for row in rows if row["lossless"] and not row["bitwise_equal"]]
