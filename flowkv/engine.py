@@ -119,11 +119,24 @@ class CacheEngine:
             self._write_behind[name] = _WriteBehind(guarded, tier_spec.guard.write_queue, self)
         self._tier_timeout_s = {n: s.guard.timeout_s for n, s in pipeline.tiers.items()}
 
-        tracer = telemetry.tracer_for(pipeline.telemetry)
+        self.tracer = telemetry.tracer_for(pipeline.telemetry)
         self.runners = {
-            kind: Runner(pipeline.stages(kind), kind=kind, pipeline=pipeline.name, tracer=tracer)
+            kind: Runner(pipeline.stages(kind), kind=kind, pipeline=pipeline.name, tracer=self.tracer)
             for kind in ("store", "retrieve", "lookup")
         }
+        self.layerwise = pipeline.layerwise.enabled
+        # Layerwise: each list splits into head (once), per-layer block, tail (once).
+        self.segments: dict[tuple[str, str], Runner] = {}
+        if self.layerwise:
+            for kind in ("store", "retrieve"):
+                specs = pipeline.stages(kind)
+                per_layer = [i for i, s in enumerate(specs) if s.info.per_layer]
+                first, last = per_layer[0], per_layer[-1] + 1
+                for part, chosen in (("head", specs[:first]), ("layer", specs[first:last]),
+                                     ("tail", specs[last:])):
+                    self.segments[(kind, part)] = Runner(chosen, kind=kind, pipeline=pipeline.name,
+                                                         tracer=self.tracer)
+        self._layer_worker: concurrent.futures.ThreadPoolExecutor | None = None
 
     @classmethod
     def from_pipeline(
@@ -191,12 +204,21 @@ class CacheEngine:
         if not self.is_healthy():
             self.count("skipped_unhealthy")
             return 0
+        if self.layerwise:
+            handle = self.store_layerwise(tokens, kv_caches=kv_caches, slot_mapping=slot_mapping,
+                                          mask=mask, tags=tags, request_id=request_id)
+            for layer in range(self.geometry.num_layers):
+                handle.layer_ready(layer)
+            return handle.finish()
         request = self._request(tokens, kv_caches, slot_mapping, mask, tags, request_id)
         items = self._run("store", request)
         stored = sum(c.num_tokens for c in items if isinstance(c, Chunk))
-        self.count("stores")
-        self.count("stored_tokens", stored)
+        self._stored(stored)
         return stored
+
+    def _stored(self, tokens: int) -> None:
+        self.count("stores")
+        self.count("stored_tokens", tokens)
 
     def retrieve(
         self,
@@ -215,6 +237,12 @@ class CacheEngine:
         and ``last_failed_range`` then says which tokens were promised but not
         loaded. Pins of ``lookup_id`` are released.
         """
+        if self.layerwise:
+            handle = self.retrieve_layerwise(tokens, kv_caches=kv_caches, slot_mapping=slot_mapping,
+                                             mask=mask, tags=tags, lookup_id=lookup_id, request_id=request_id)
+            for layer in range(self.geometry.num_layers):
+                handle.wait(layer)
+            return handle.finish()
         request = self._request(tokens, kv_caches, slot_mapping, mask, tags, request_id)
         request.lookup_id = lookup_id
         request.ret_mask = torch.zeros(request.num_tokens, dtype=torch.bool)
@@ -226,13 +254,71 @@ class CacheEngine:
         finally:
             if lookup_id is not None:
                 self.release(lookup_id)
-        loaded = int(request.ret_mask.sum())
+        self._retrieved(request)
+        return request.ret_mask
+
+    def _retrieved(self, request: Request) -> None:
         self.last_failed_range = request.failed_range
         self.count("retrieves")
-        self.count("retrieved_tokens", loaded)
+        self.count("retrieved_tokens", int(request.ret_mask.sum()))
         if request.failed_range is not None:
             self.count("retrieve_short")
-        return request.ret_mask
+
+    def retrieve_layerwise(
+        self,
+        tokens: Any,
+        *,
+        kv_caches: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+        slot_mapping: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        tags: Mapping[str, str] | None = None,
+        lookup_id: Any = None,
+        request_id: str | None = None,
+    ) -> LayerwiseRetrieve:
+        """Start a retrieve whose layers land one by one, overlapping the model's compute.
+
+        The head of the retrieve list (find and read the chunks) runs now; each
+        layer's block (scatter) is queued on the transfer worker (a side CUDA
+        stream on GPU). Call ``wait(layer)`` before the model reads a layer's KV
+        and ``finish()`` for the mask: a chunk counts only when all its layers landed.
+        """
+        self._require_layerwise()
+        request = self._request(tokens, kv_caches, slot_mapping, mask, tags, request_id)
+        request.lookup_id = lookup_id
+        request.ret_mask = torch.zeros(request.num_tokens, dtype=torch.bool)
+        handle = LayerwiseRetrieve(self, request)
+        handle.start()
+        return handle
+
+    def store_layerwise(
+        self,
+        tokens: Any,
+        *,
+        kv_caches: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+        slot_mapping: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        tags: Mapping[str, str] | None = None,
+        request_id: str | None = None,
+    ) -> LayerwiseStore:
+        """Start a store that copies each layer out as soon as the model computed it.
+
+        Call ``layer_ready(layer)`` after each layer's attention and ``finish()``
+        at the end (stored tokens); ``abort()`` drops a store that will not finish.
+        """
+        self._require_layerwise()
+        request = self._request(tokens, kv_caches, slot_mapping, mask, tags, request_id)
+        return LayerwiseStore(self, request)
+
+    def _require_layerwise(self) -> None:
+        if not self.layerwise:
+            raise ValueError(f"pipeline '{self.pipeline.name}' is not layerwise: set [layerwise] enabled = true")
+
+    def layer_worker(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The one thread that runs per-layer blocks in order, beside the inference thread."""
+        with self._lock:
+            if self._layer_worker is None:
+                self._layer_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flowkv-layers")
+            return self._layer_worker
 
     last_failed_range: tuple[int, int] | None = None
 
@@ -299,6 +385,8 @@ class CacheEngine:
             except Exception:  # closing must not raise into the inference engine
                 log.warning("flowkv: closing tier %s failed", name, exc_info=True)
         self.memory.clear()
+        if self._layer_worker is not None:
+            self._layer_worker.shutdown(wait=True)
 
     # -- what stages use --------------------------------------------------
 
@@ -309,14 +397,8 @@ class CacheEngine:
     def masked_prefix(self, request: Request) -> int:
         return request.masked
 
-    def layers_of(self, chunk: Chunk) -> Sequence[int] | None:
-        return chunk.layers
-
     def chunk_shape(self, chunk: Chunk) -> tuple[int, ...]:
-        shape = self.geometry.chunk_shape(chunk.num_tokens)
-        if chunk.layers is not None:
-            shape = (len(chunk.layers), *shape[1:])
-        return shape
+        return self.geometry.chunk_shape(chunk.num_tokens)
 
     def key_prefix(self, tags: Mapping[str, str]) -> KeyPrefix:
         frozen = tuple(sorted(tags.items()))
@@ -376,6 +458,8 @@ class CacheEngine:
 
     def prefetch(self, chunks: list[Chunk], lookup_id: Any) -> None:
         """Start loading chunks found in slower tiers into memory (not waiting)."""
+        if not chunks:
+            return
         from flowkv.tiers import portal
 
         by_tier: dict[str, list[Chunk]] = collections.defaultdict(list)
@@ -570,12 +654,19 @@ class CacheEngine:
     def _run(self, kind: str, request: Request) -> list[Any]:
         ctx = RunContext(kind=kind, request=request, engine=self)
         try:
-            items = self.runners[kind].run([request], ctx, attributes={"request_id": request.request_id})
-        except StageError as exc:
-            self._failed(kind, exc)
-            return []
+            return self._run_with(self.runners[kind], [request], ctx)
         finally:
             ctx.run_deferred()
+
+    def _run_with(self, runner: Runner, source: list[Any], ctx: RunContext, parent: Any = None) -> list[Any]:
+        """Run ``runner`` over ``source``; a failed run is counted and answers no items."""
+        request = ctx.request
+        attributes = {"request_id": request.request_id if request else None, "layer": ctx.layer}
+        try:
+            items = runner.run(source, ctx, attributes=attributes, parent=parent)
+        except StageError as exc:
+            self._failed(ctx.kind, exc)
+            return []
         self._failures = 0
         return items
 
@@ -588,6 +679,173 @@ class CacheEngine:
             self._failures = 0
             log.error("flowkv: %d failed runs in a row; skipping work for %.0f s",
                       _FAILURES_BEFORE_UNHEALTHY, _UNHEALTHY_FOR_S)
+
+
+class _LayerwiseRun:
+    """What a layerwise store and retrieve share: the request span, the worker, the device stream."""
+
+    def __init__(self, engine: CacheEngine, request: Request, kind: str) -> None:
+        self.engine = engine
+        self.request = request
+        self.kind = kind
+        self.num_layers = engine.geometry.num_layers
+        self.ctx = RunContext(kind=kind, request=request, engine=engine)
+        self.chunks: list[Chunk] = []
+        self.futures: dict[int, concurrent.futures.Future[Any]] = {}
+        self.finished = False
+        self.span = engine.tracer.start_span(f"flowkv.{kind}.layerwise")
+        if request.request_id is not None:
+            self.span.set_attribute("flowkv.request_id", request.request_id)
+        device = request.kv_caches[0].device if request.kv_caches else torch.device("cpu")
+        # On CUDA, per-layer copies run on a side stream ordered by events; on CPU the
+        # worker thread alone gives the overlap (torch kernels release the GIL).
+        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self.events: dict[int, Any] = {}
+
+    def submit(self, layer: int, ready_event: Any = None) -> None:
+        self.futures[layer] = self.engine.layer_worker().submit(self._run_layer, layer, ready_event)
+
+    def _run_layer(self, layer: int, ready_event: Any) -> None:
+        ctx = RunContext(kind=self.kind, request=self.request, engine=self.engine, layer=layer)
+        runner = self.engine.segments[(self.kind, "layer")]
+        if self.stream is None:
+            self.engine._run_with(runner, self.chunks, ctx, parent=self.span)
+            return
+        with torch.cuda.stream(self.stream):
+            if ready_event is not None:
+                self.stream.wait_event(ready_event)
+            self.engine._run_with(runner, self.chunks, ctx, parent=self.span)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            self.events[layer] = event
+
+    def wait_layer(self, layer: int) -> None:
+        future = self.futures.get(layer)
+        if future is None:
+            return
+        with self.engine.tracer.start_as_current_span(
+            "flowkv.wait", context=_span_context(self.span), attributes={"flowkv.layer": layer}
+        ):
+            future.result()
+            event = self.events.get(layer)
+            if event is not None:
+                torch.cuda.current_stream().wait_event(event)
+
+    def complete_prefix(self) -> list[Chunk]:
+        """The chunks, in order, up to the first one missing a layer."""
+        done = []
+        for chunk in self.chunks:
+            if chunk.layers_done < self.num_layers:
+                request = self.request
+                request.failed_range = request.failed_range or (
+                    chunk.start, max(request.hit_tokens or 0, self.chunks[-1].end))
+                break
+            done.append(chunk)
+        return done
+
+    def close(self) -> None:
+        for future in self.futures.values():
+            try:
+                future.result()
+            except Exception:  # a failed layer is already counted; finish what can be finished
+                pass
+        if self.stream is not None:
+            self.stream.synchronize()
+        self.ctx.run_deferred()
+        self.span.end()
+        self.finished = True
+
+
+class LayerwiseRetrieve(_LayerwiseRun):
+    """One request's retrieve, landing layer by layer."""
+
+    def __init__(self, engine: CacheEngine, request: Request) -> None:
+        super().__init__(engine, request, "retrieve")
+
+    def start(self) -> None:
+        engine = self.engine
+        if not engine.is_healthy():
+            engine.count("skipped_unhealthy")
+            return
+        items = engine._run_with(engine.segments[("retrieve", "head")], [self.request], self.ctx,
+                                 parent=self.span)
+        self.chunks = [c for c in items if isinstance(c, Chunk) and not c.skip]
+        for layer in range(self.num_layers):
+            self.submit(layer)
+
+    def wait(self, layer: int) -> None:
+        """Block until ``layer``'s KV is in the paged cache (call before the model reads it)."""
+        self.wait_layer(layer)
+
+    def finish(self) -> torch.Tensor:
+        """Wait for every layer; the ret_mask of chunks whose layers all landed."""
+        if not self.finished:
+            self.close()
+            for chunk in self.complete_prefix():
+                self.request.ret_mask[chunk.start:chunk.end] = True
+            if self.request.lookup_id is not None:
+                self.engine.release(self.request.lookup_id)
+            self.engine._retrieved(self.request)
+        return self.request.ret_mask
+
+
+class LayerwiseStore(_LayerwiseRun):
+    """One request's store, copying each layer out once the model computed it."""
+
+    def __init__(self, engine: CacheEngine, request: Request) -> None:
+        super().__init__(engine, request, "store")
+        self.started = False
+        self.skipped = not engine.is_healthy()
+
+    def layer_ready(self, layer: int) -> None:
+        """``layer``'s KV for this request is computed: queue its copy out."""
+        engine = self.engine
+        if self.skipped:
+            return
+        if not self.started:
+            self.started = True
+            items = engine._run_with(engine.segments[("store", "head")], [self.request], self.ctx,
+                                     parent=self.span)
+            self.chunks = [c for c in items if isinstance(c, Chunk)]
+        ready = None
+        if self.stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.stream.device))
+        self.submit(layer, ready)
+
+    def finish(self) -> int:
+        """Wait for the copies, then store the chunks whose layers all arrived; tokens stored."""
+        if self.finished:
+            return 0
+        if self.skipped:
+            self.engine.count("skipped_unhealthy")
+            self.close()
+            return 0
+        for future in self.futures.values():
+            try:
+                future.result()
+            except Exception:
+                pass
+        if self.stream is not None:
+            self.stream.synchronize()
+        complete = self.complete_prefix()
+        items = self.engine._run_with(self.engine.segments[("store", "tail")], complete, self.ctx,
+                                      parent=self.span) if complete else []
+        self.close()
+        stored = sum(c.num_tokens for c in items if isinstance(c, Chunk))
+        self.engine._stored(stored)
+        return stored
+
+    def abort(self) -> None:
+        """Drop this store (the request went away): free what it allocated."""
+        if not self.finished:
+            self.close()
+
+
+def _span_context(span: Any) -> Any:
+    from opentelemetry import trace
+
+    return trace.set_span_in_context(span)
 
 
 class _WriteBehind:

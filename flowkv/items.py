@@ -57,7 +57,8 @@ class Chunk:
     kv: torch.Tensor | None = None  # raw KV, shape (layers, kv, tokens, heads, head_size)
     payload: Any = None  # encoded bytes (header + body) for codecs and byte tiers
     tier: str | None = None  # where lookup found it / where put stored it
-    layers: tuple[int, ...] | None = None  # layerwise: the layers this item carries
+    # Layers moved so far (layerwise runs); a chunk counts only once all are.
+    layers_done: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -384,6 +384,14 @@ class _Loader:
             return _converter.structure(table, cls)
         except ClassValidationError as group:
             self.report_validation(group, path, what, names)
+            # An unknown key must not hide the checks of the keys that were right
+            # (chunk_size = 0 next to a typo): the load fails anyway, but says everything.
+            known = {k: v for k, v in table.items() if k in names}
+            if len(known) < len(table):
+                try:
+                    return _converter.structure(known, cls)
+                except Exception:
+                    pass
         except Exception as exc:  # an attrs validator or __attrs_post_init__ refused it
             self.error(path, f"{what}: {exc}", "invalid-value")
         return None
@@ -524,6 +532,24 @@ class _Loader:
             self.error(("tiers",), "declare at least one tier", "missing-key")
         for kind, specs in lists.items():
             self.check_list(kind, specs, tiers)
+        layerwise = raw.get("layerwise", {})
+        if isinstance(layerwise, dict) and layerwise.get("enabled") is True:
+            for kind in ("store", "retrieve"):
+                self.check_layer_segment(kind, lists[kind])
+
+    def check_layer_segment(self, kind: str, specs: tuple[StageSpec, ...]) -> None:
+        """Layerwise lists run as head (once), per-layer stages (each layer), tail (once)."""
+        positions = [i for i, spec in enumerate(specs) if spec.info.per_layer]
+        if not positions:
+            self.error(("layerwise", "enabled"),
+                       f"layerwise is on but [[{kind}.stages]] has no per-layer stage "
+                       f"(such as '{'gather' if kind == 'store' else 'scatter'}')", "graph")
+            return
+        if positions != list(range(positions[0], positions[-1] + 1)):
+            gap = next(i for i in range(positions[0], positions[-1]) if i not in positions)
+            self.error((kind, "stages", specs[gap].index, "use"),
+                       f"stage '{specs[gap].name}' sits between per-layer stages of [[{kind}.stages]]: "
+                       "a layerwise list runs its per-layer stages as one block", "graph")
 
     def check_list(self, kind: str, specs: tuple[StageSpec, ...], tiers: dict[str, TierSpec]) -> None:
         given = {"request"}

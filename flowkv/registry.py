@@ -79,6 +79,8 @@ class StageInfo:
     config_cls: type  # attrs class of its settings (made from the signature when not given)
     takes_ctx: bool  # the runner passes ctx= only when the function declares it
     origin: str  # "module.qualname (file:line)"
+    # Layerwise pipelines run this stage once per layer (ctx.layer set), the others once.
+    per_layer: bool = False
 
     def make_config(self, **settings: Any) -> Any:
         return self.config_cls(**settings)
@@ -146,12 +148,15 @@ def stage(
     needs: Iterable[str] = (),
     gives: Iterable[str] = (),
     config: type | None = None,
+    per_layer: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declare a generator function as a flowkv stage.
 
     ``kinds`` lists the pipelines it may appear in (store, retrieve, lookup);
     ``needs`` and ``gives`` are the item facets it reads and adds; ``config``
     is an attrs class of its settings, else its keyword-only parameters are.
+    ``per_layer`` stages run once per attention layer in layerwise pipelines
+    (``ctx.layer`` says which); the stages before and after them run once.
     """
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -183,6 +188,7 @@ def stage(
             config_cls=config or _config_from_signature(func, where),
             takes_ctx="ctx" in params,
             origin=f"{func.__module__}.{func.__qualname__} ({where})",
+            per_layer=per_layer,
         )
         func.__flowkv_stage__ = info  # type: ignore[attr-defined]
         return func

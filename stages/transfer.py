@@ -9,7 +9,7 @@ from flowkv.items import Chunk, RunContext
 from flowkv.registry import stage
 
 
-@stage("gather", kinds=("store",), needs={"buffer"}, gives={"kv"})
+@stage("gather", kinds=("store",), needs={"buffer"}, gives={"kv"}, per_layer=True)
 def gather(chunks: Iterator[Chunk], *, ctx: RunContext, impl: str | None = None) -> Iterator[Chunk]:
     """Copy each chunk's KV out of the paged cache (all layers, one kernel call) into its slab.
 
@@ -21,17 +21,19 @@ def gather(chunks: Iterator[Chunk], *, ctx: RunContext, impl: str | None = None)
         use = "gather"
     """
     engine = ctx.engine
+    layers = None if ctx.layer is None else [ctx.layer]
     for chunk in chunks:
         request = chunk.request
-        out = chunk.obj.tensor
+        out = chunk.obj.tensor if layers is None else chunk.obj.tensor[ctx.layer : ctx.layer + 1]
         kernels.gather(request.kv_caches, engine.geometry, request.slot_mapping[chunk.start:chunk.end],
-                       out, layers=engine.layers_of(chunk), impl=impl)
-        chunk.kv = out
+                       out, layers=layers, impl=impl)
+        chunk.kv = chunk.obj.tensor
+        chunk.layers_done += 1 if layers else engine.geometry.num_layers
         ctx.record(bytes=out.nbytes)
         yield chunk
 
 
-@stage("scatter", kinds=("retrieve",), needs={"kv"}, gives={"loaded"})
+@stage("scatter", kinds=("retrieve",), needs={"kv"}, gives={"loaded"}, per_layer=True)
 def scatter(chunks: Iterator[Chunk], *, ctx: RunContext, impl: str | None = None) -> Iterator[Chunk]:
     """Write each chunk's KV into the paged cache and mark its tokens in the request's ret_mask.
 
@@ -41,6 +43,7 @@ def scatter(chunks: Iterator[Chunk], *, ctx: RunContext, impl: str | None = None
         use = "scatter"
     """
     engine = ctx.engine
+    layers = None if ctx.layer is None else [ctx.layer]
     for chunk in chunks:
         if chunk.skip:
             continue
@@ -49,8 +52,13 @@ def scatter(chunks: Iterator[Chunk], *, ctx: RunContext, impl: str | None = None
                 f"chunk {chunk.index} reached scatter still encoded; add a 'decompress' stage before 'scatter'"
             )
         request = chunk.request
-        kernels.scatter(chunk.kv, request.kv_caches, engine.geometry,
-                        request.slot_mapping[chunk.start:chunk.end], layers=engine.layers_of(chunk), impl=impl)
-        request.ret_mask[chunk.start:chunk.end] = True
-        ctx.record(bytes=chunk.kv.nbytes, hit_tokens=chunk.num_tokens)
+        kv = chunk.kv if layers is None else chunk.kv[ctx.layer : ctx.layer + 1]
+        kernels.scatter(kv, request.kv_caches, engine.geometry,
+                        request.slot_mapping[chunk.start:chunk.end], layers=layers, impl=impl)
+        if layers is None:
+            chunk.layers_done = engine.geometry.num_layers
+            request.ret_mask[chunk.start:chunk.end] = True
+        else:  # the engine marks ret_mask once every layer of the chunk is in
+            chunk.layers_done += 1
+        ctx.record(bytes=kv.nbytes, hit_tokens=chunk.num_tokens if layers is None else 0)
         yield chunk
