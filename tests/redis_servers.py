@@ -161,12 +161,14 @@ class RedisServer:
                 raise RuntimeError(f"redis-server on port {self.port} exited: {log[-2000:]}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw:
-                    sock = raw
                     if self.tls:
                         context = ssl.create_default_context(cafile=str(self.tls.ca_cert))
-                        sock = context.wrap_socket(raw, server_hostname="127.0.0.1")
-                    sock.sendall(b"PING\r\n")
-                    reply = sock.recv(64)
+                        with context.wrap_socket(raw, server_hostname="127.0.0.1") as sock:
+                            sock.sendall(b"PING\r\n")
+                            reply = sock.recv(64)
+                    else:
+                        raw.sendall(b"PING\r\n")
+                        reply = raw.recv(64)
                 # -NOAUTH also proves the server is up.
                 if reply.startswith((b"+PONG", b"-NOAUTH")):
                     return
