@@ -251,3 +251,38 @@ def test_int_key_groups_split_the_token_range():
     assert bool(((grouped.double() - kv.double()).abs() <= codec.max_error(kv, params)).all())
     stats = 2 * 4 * (layers * (tokens // 8) * heads * head_size + layers * tokens * heads)
     assert len(memoryview(body).cast("B")) == layers * kv_n * tokens * heads * head_size // 2 + stats
+
+
+def _bench(argv):
+    import argparse
+
+    from flowkv.bench import codecs as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return bench.run(parser.parse_args(argv))
+
+
+def test_bench_reports_every_codec_against_none(capsys, tmp_path):
+    import json
+
+    small = ["--layers", "2", "--tokens", "32", "--kv-heads", "2", "--head-size", "16", "--repeats", "1"]
+    assert _bench(small + ["--json", "--codecs", "zstd,int4:key_group_size=8"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["source"].startswith("synthetic") and report["shape"] == [2, 2, 32, 2, 16]
+    rows = {row["codec"]: row for row in report["codecs"]}
+    assert list(rows) == ["none", "zstd", "int4 key_group_size=8"]
+    assert rows["none"]["size_vs_none"] == 1.0 and rows["zstd"]["bitwise_equal"]
+    assert rows["int4 key_group_size=8"]["ratio"] > 1.3 and 0 < rows["int4 key_group_size=8"]["rel_l2_err"] < 0.2
+
+    kv_file = tmp_path / "chunk.pt"
+    torch.save(kv_like((2, 1, 9, 1, 8), torch.float16), kv_file)
+    assert _bench(["--kv-file", str(kv_file), "--codecs", "fp8", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"input: file {kv_file}" in out and "fp8" in out
+
+    torch.save(torch.zeros(3, 4), kv_file)
+    assert _bench(["--kv-file", str(kv_file)]) == 2
+    assert "expected shape" in capsys.readouterr().err
+    assert _bench(small + ["--codecs", "zstd:levle=3"]) == 2
+    assert "did you mean 'level'" in capsys.readouterr().err
