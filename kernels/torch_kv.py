@@ -12,9 +12,10 @@ engine's cache and in the chunk buffer. A row is
 
 All layers that are views of one storage at a fixed distance (vLLM's CPU
 backend allocates one buffer for all layers) form one group and move in one
-call; the row index then spans the layers too. Rows are moved as 8-byte
-integers where their size allows, because the index kernels copy element by
-element and wider elements mean fewer of them.
+call; the row index then spans the layers too. Rows are moved as the widest
+integer type that tiles them: a bitwise copy that works for dtypes the index
+kernels lack (fp8), and ``index_copy_`` copies element by element, so wider
+elements mean fewer of them.
 
 The reference path (``_gather_by_indexing`` / ``_scatter_by_indexing``) uses
 advanced indexing on the canonical view; it is used when a cache's strides
