@@ -73,7 +73,7 @@ class CacheEngine:
         self.pin_timeout_s = pipeline.section.pin_timeout_s
         hash_name = pipeline.section.hash
         self.hash_fn = get_hash_function(default_hash_function_name() if hash_name == "auto" else hash_name)
-        self._counters: collections.Counter[str] = collections.Counter()
+        self._counters: collections.Counter[str] = collections.Counter()  # counts, and *_ms totals
         self._lock = threading.Lock()
         self._prefixes: dict[tuple[tuple[str, str], ...], KeyPrefix] = {}
         self._key_cache: collections.OrderedDict[tuple[Any, ...], list[CacheKey]] = collections.OrderedDict()
@@ -175,10 +175,12 @@ class CacheEngine:
             return 0
         if pin and lookup_id is None:
             raise ValueError("lookup(pin=True) needs a lookup_id to release the pins by")
+        started = time.perf_counter()
         self.memory.expire_pins()
         request = Request(tokens=_as_tokens(tokens), tags=dict(tags or {}), lookup_id=lookup_id,
                           pin=pin, request_id=request_id)
         self._run("lookup", request)
+        self.count("lookup_ms", (time.perf_counter() - started) * 1e3)
         hit = request.hit_tokens or 0
         self.count("lookups")
         self.count("lookup_requested_tokens", request.num_tokens)
@@ -210,10 +212,12 @@ class CacheEngine:
             for layer in range(self.geometry.num_layers):
                 handle.layer_ready(layer)
             return handle.finish()
+        started = time.perf_counter()
         request = self._request(tokens, kv_caches, slot_mapping, mask, tags, request_id)
         items = self._run("store", request)
         stored = sum(c.num_tokens for c in items if isinstance(c, Chunk))
         self._stored(stored)
+        self.count("store_ms", (time.perf_counter() - started) * 1e3)
         return stored
 
     def _stored(self, tokens: int) -> None:
@@ -243,6 +247,7 @@ class CacheEngine:
             for layer in range(self.geometry.num_layers):
                 handle.wait(layer)
             return handle.finish()
+        started = time.perf_counter()
         request = self._request(tokens, kv_caches, slot_mapping, mask, tags, request_id)
         request.lookup_id = lookup_id
         request.ret_mask = torch.zeros(request.num_tokens, dtype=torch.bool)
@@ -255,6 +260,7 @@ class CacheEngine:
             if lookup_id is not None:
                 self.release(lookup_id)
         self._retrieved(request)
+        self.count("retrieve_ms", (time.perf_counter() - started) * 1e3)
         return request.ret_mask
 
     def _retrieved(self, request: Request) -> None:
@@ -570,21 +576,23 @@ class CacheEngine:
 
     def put_memory(self, chunk: Chunk) -> int:
         """Hand a stored chunk to the memory tier (raw slab, or its encoded payload)."""
-        if chunk.payload is None:
-            self.memory.put(chunk.key_str, chunk.obj)
-            return chunk.obj.nbytes
-        try:
-            obj = self.memory.allocate_bytes(len(chunk.payload))
-        except ValueError:  # an encoding larger than a slab: keep the raw chunk instead
-            self.memory.put(chunk.key_str, chunk.obj)
-            return chunk.obj.nbytes
-        if obj is None:
-            return 0
-        obj.view_bytes()[:] = chunk.payload
-        obj.meta["codec"] = payloads.read_header(chunk.payload).codec
-        self.memory.put(chunk.key_str, obj)
-        obj.ref_down()
-        return len(chunk.payload)
+        obj = chunk.obj
+        payload = chunk.payload
+        if payload is not None and len(payload) <= obj.nbytes:
+            # The encoding overwrites the chunk's own slab: the raw KV is no
+            # longer needed, and a second slab would cost a whole slab anyway
+            # (one object per slab) while letting this store evict its own
+            # earlier chunks when memory is short.
+            obj.view_bytes()[: len(payload)] = payload
+            obj.meta["codec"] = payloads.read_header(payload).codec
+            obj.meta["encoded_len"] = len(payload)
+            chunk.kv = None
+        else:
+            # No codec, or an encoding no smaller than the raw chunk: keep it raw.
+            payload = None
+        if not self.memory.put(chunk.key_str, obj):
+            return 0  # another store of the same tokens got there first
+        return obj.nbytes if payload is None else len(payload)
 
     def put_behind(self, name: str, chunk: Chunk) -> int:
         """Queue a chunk's payload for a slower tier; never waits."""

@@ -71,7 +71,8 @@ def provider_for(spec: TelemetrySpec) -> TracerProvider | None:
                 processor = (
                     SimpleSpanProcessor(exporter)
                     if spec.exporter == "console"
-                    else BatchSpanProcessor(exporter)
+                    # A short delay: inference processes are often stopped, not shut down.
+                    else BatchSpanProcessor(exporter, schedule_delay_millis=200)
                 )
                 provider.add_span_processor(processor)
             _providers[spec] = provider
