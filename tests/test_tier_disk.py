@@ -254,3 +254,22 @@ def test_disk_is_a_registered_tier_kind(tmp_path: Path) -> None:
     info = resolve_tier("disk")
     assert info.cls is DiskTier and info.config_cls is DiskTierConfig
     assert {f.name for f in attrs.fields(DiskTierConfig)} == {"path", "capacity", "admit_after", "fsync"}
+
+
+async def test_real_payloads_are_checked_by_default(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from flowkv import payload
+
+    tier = DiskTier(name="disk", config=DiskTierConfig(path=str(tmp_path), capacity=1 << 20))
+    kv = torch.arange(2 * 2 * 16 * 4 * 8, dtype=torch.float32).reshape(2, 2, 16, 4, 8).half()
+    blobs = [payload.encode(kv + i, "zstd") for i in range(3)]
+    keys = [chunk_key(i) for i in range(3)]
+    await tier.put(list(zip(keys, blobs)))
+    flipped = bytearray(blobs[1])
+    flipped[-3] ^= 0x10
+    file_of(tmp_path, keys[1]).write_bytes(bytes(flipped))
+    file_of(tmp_path, keys[2]).write_bytes(blobs[2][: len(blobs[2]) - 1])
+
+    got = await tier.get(keys)
+    assert got[1:] == [None, None] and tier.stats()["corrupt"] == 2
+    assert torch.equal(payload.decode(got[0]), kv)

@@ -196,3 +196,19 @@ def test_config_rejects_bad_values() -> None:
 def test_redis_is_a_registered_tier_kind() -> None:
     info = resolve_tier("redis")
     assert info.cls is RedisTier and info.config_cls is RedisTierConfig
+
+
+async def test_real_payloads_are_checked_by_default(redis_server: RedisServer) -> None:
+    torch = pytest.importorskip("torch")
+    from flowkv import payload
+
+    config = RedisTierConfig(url=redis_server.url, namespace=f"test-{uuid.uuid4().hex[:12]}")
+    tier = RedisTier(name="remote", config=config)
+    kv = torch.ones(2, 2, 16, 4, 8, dtype=torch.bfloat16)
+    good, bad = payload.encode(kv, "none"), bytearray(payload.encode(kv * 2, "none"))
+    bad[40] ^= 0x01  # inside the header: its checksum catches it
+    await tier.put([(chunk_key(1), good), (chunk_key(2), bytes(bad))])
+    got = await tier.get([chunk_key(1), chunk_key(2)])
+    await tier.aclose()
+    assert got[1] is None and tier.stats()["corrupt"] == 1
+    assert torch.equal(payload.decode(got[0]), kv)

@@ -106,8 +106,8 @@ _checker: Callable[[bytes], bool] | None = None
 
 
 def _resolve_checker() -> Callable[[bytes], bool]:
-    # flowkv.payload owns the header format; it is imported lazily so tiers
-    # work (treating payloads as opaque bytes) in a tree where it is absent.
+    # flowkv.payload (and torch behind it) is imported on first use, not when
+    # the tiers module is; a tree without it treats payloads as opaque bytes.
     try:
         payload = importlib.import_module("flowkv.payload")
     except ModuleNotFoundError as exc:
@@ -115,31 +115,22 @@ def _resolve_checker() -> Callable[[bytes], bool]:
             raise
         logger.warning("flowkv.payload is not available: tier payloads are not verified")
         return _opaque
-    verify = getattr(payload, "verify_payload", None)
-    if verify is not None:
-        return verify
-    read_header = getattr(payload, "read_header", None)
-    decode = getattr(payload, "decode", None)
-    error = getattr(payload, "PayloadError", ValueError)
-    if decode is None and read_header is None:
-        return _opaque
-    check = decode if decode is not None else read_header
 
-    def verify_by_decoding(blob: bytes) -> bool:
+    def intact(blob: bytes) -> bool:
         try:
-            check(blob)
-        except error:
+            payload.verify(blob)  # header, length and body checksum; no decoding
+        except payload.PayloadError:
             return False
         return True
 
-    return verify_by_decoding
+    return intact
 
 
 def verify_payload(blob: bytes) -> bool:
     """Whether ``blob`` is an intact flowkv payload (header and checksum good).
 
-    Delegates to ``flowkv.payload.verify_payload`` (or, failing that, to
-    ``flowkv.payload.decode`` raising ``PayloadError``). Without
+    Delegates to ``flowkv.payload.verify`` (header, length and body checksum,
+    no decoding), which raises ``PayloadError`` on any problem. Without
     ``flowkv.payload`` every blob is accepted as opaque bytes.
     """
     global _checker

@@ -32,8 +32,6 @@ TOML::
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import errno
 import hashlib
 import logging
@@ -41,6 +39,7 @@ import os
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio.to_thread

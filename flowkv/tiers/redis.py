@@ -27,9 +27,8 @@ TOML::
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import logging
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
