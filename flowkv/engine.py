@@ -641,6 +641,9 @@ class CacheEngine:
         request = Request(tokens=tokens, kv_caches=list(kv_caches), slot_mapping=slot_mapping.long(),
                           tags=dict(tags or {}), request_id=request_id)
         request.masked = self._check_mask(mask, n)
+        # Store and retrieve expire pins too: a scheduler that stopped calling
+        # lookup must not leave a full arena pinned against every later store.
+        self.memory.expire_pins()
         return request
 
     def _check_mask(self, mask: torch.Tensor | None, n: int) -> int:
