@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 import xxhash
 
@@ -108,7 +109,11 @@ class CacheEngine:
                 continue
             from flowkv.tiers import GuardedTier
 
-            backend = tier_spec.info.cls(name=name, config=tier_spec.config)
+            config = tier_spec.config
+            if world_size > 1 and isinstance(getattr(config, "path", None), str):
+                # One process per folder: each tensor-parallel rank keeps its own.
+                config = attrs.evolve(config, path=str(Path(config.path).expanduser() / f"rank{rank}"))
+            backend = tier_spec.info.cls(name=name, config=config)
             guarded = GuardedTier(
                 backend,
                 timeout_s=tier_spec.guard.timeout_s,
