@@ -1,0 +1,196 @@
+"""Layerwise store and retrieve through the engine: same bytes as whole-request runs,
+the all-layers rule for hits, and one span per stage per layer."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import flowkv
+from flowkv import CacheEngine, telemetry
+from flowkv.items import Chunk, RunContext
+from flowkv.kernels import KVGeometry, gather
+from flowkv.otlp_json import load_spans
+from flowkv.pipeline import PipelineError, load_pipeline
+from flowkv.testing import make_paged_kv, random_slot_mapping
+
+CHUNK = 64
+BLOCKS = 48
+N = 5 * CHUNK + 17
+
+
+def geometry(layout: str = "cpu") -> KVGeometry:
+    heads = 1 if layout == "mla" else 2
+    return KVGeometry(layout, num_layers=4, num_kv_heads=heads, head_size=16, block_size=16, dtype=torch.float16)
+
+
+def make_engine(g: KVGeometry, pipeline: str = "local-cpu", **overrides) -> CacheEngine:
+    settings = {"chunk_size": CHUNK, "tiers.memory.capacity": "16MiB", "layerwise.enabled": True, **overrides}
+    return CacheEngine.from_pipeline(pipeline, geometry=g, model_name="tiny", overrides=settings)
+
+
+def read_back(caches, g: KVGeometry, slots: torch.Tensor) -> torch.Tensor:
+    return gather(caches, g, slots, torch.empty(g.chunk_shape(len(slots)), dtype=g.dtype))
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash_kv_nhd", "flash_blocks_hnd", "mla"])
+def test_layerwise_round_trip_equals_whole_request(layout: str) -> None:
+    g = geometry(layout)
+    src = make_paged_kv(g, BLOCKS, seed=1)
+    tokens = torch.arange(N) + 7
+    slots = random_slot_mapping(N, g, BLOCKS, seed=2)
+
+    layerwise = make_engine(g)
+    whole = CacheEngine.from_pipeline("local-cpu", geometry=g, model_name="tiny",
+                                      overrides={"chunk_size": CHUNK, "tiers.memory.capacity": "16MiB"})
+    assert layerwise.layerwise and not whole.layerwise
+    handle = layerwise.store_layerwise(tokens, kv_caches=src, slot_mapping=slots)
+    for layer in range(g.num_layers):
+        handle.layer_ready(layer)
+    assert handle.finish() == 5 * CHUNK
+    assert whole.store(tokens, kv_caches=src, slot_mapping=slots) == 5 * CHUNK
+
+    dst_layerwise = make_paged_kv(g, BLOCKS, seed=9, fill=False)
+    dst_whole = make_paged_kv(g, BLOCKS, seed=9, fill=False)
+    retrieve = layerwise.retrieve_layerwise(tokens, kv_caches=dst_layerwise, slot_mapping=slots)
+    for layer in range(g.num_layers):
+        retrieve.wait(layer)
+    mask_layerwise = retrieve.finish()
+    mask_whole = whole.retrieve(tokens, kv_caches=dst_whole, slot_mapping=slots)
+
+    assert torch.equal(mask_layerwise, mask_whole)
+    assert int(mask_layerwise.sum()) == 5 * CHUNK
+    hit = slots[: 5 * CHUNK]
+    assert torch.equal(read_back(dst_layerwise, g, hit), read_back(src, g, hit))
+    # Both paths wrote exactly the same bytes everywhere, the untouched slots included.
+    for a, b in zip(dst_layerwise, dst_whole):
+        assert torch.equal(a, b)
+
+
+def test_each_layer_lands_by_its_wait() -> None:
+    g = geometry()
+    src = make_paged_kv(g, BLOCKS, seed=3)
+    dst = make_paged_kv(g, BLOCKS, seed=4, fill=False)
+    tokens = torch.arange(N)
+    slots = random_slot_mapping(N, g, BLOCKS, seed=5)
+    engine = make_engine(g)
+    engine.store(tokens, kv_caches=src, slot_mapping=slots)
+    retrieve = engine.retrieve_layerwise(tokens, kv_caches=dst, slot_mapping=slots)
+    hit = slots[: 5 * CHUNK]
+    for layer in range(g.num_layers):
+        retrieve.wait(layer)
+        want = read_back(src, g, hit)[layer]
+        got = read_back(dst, g, hit)[layer]
+        assert torch.equal(got, want), f"layer {layer} not in place after wait({layer})"
+    assert int(retrieve.finish().sum()) == 5 * CHUNK
+
+
+# A per-layer stage that loses chunk 2's layer 1, as a failed transfer would.
+@flowkv.stage("lose-one-layer", kinds=("retrieve",), needs={"kv"}, per_layer=True)
+def lose_one_layer(chunks: Iterator[Chunk], *, ctx: RunContext, chunk: int = 2, layer: int = 1):
+    for item in chunks:
+        if item.index == chunk and ctx.layer == layer:
+            continue
+        yield item
+
+
+def test_missing_layer_of_one_chunk_shrinks_the_mask_there(tmp_path) -> None:
+    pipeline = tmp_path / "lossy-layer.toml"
+    text = load_pipeline("local-cpu").source
+    body = open(text).read().replace(
+        '[[retrieve.stages]]\nuse = "scatter"',
+        f'[[retrieve.stages]]\nuse = "{__name__}:lose_one_layer"\n\n[[retrieve.stages]]\nuse = "scatter"',
+    )
+    pipeline.write_text(body)
+    g = geometry()
+    src = make_paged_kv(g, BLOCKS, seed=6)
+    dst = make_paged_kv(g, BLOCKS, seed=7, fill=False)
+    tokens = torch.arange(N)
+    slots = random_slot_mapping(N, g, BLOCKS, seed=8)
+    engine = make_engine(g, str(pipeline))
+    engine.store(tokens, kv_caches=src, slot_mapping=slots)
+    assert engine.lookup(tokens) == 5 * CHUNK
+
+    mask = engine.retrieve(tokens, kv_caches=dst, slot_mapping=slots)
+
+    assert int(mask.sum()) == 2 * CHUNK  # chunks 0 and 1; chunk 2 lacks a layer, so it and all after are out
+    assert bool(mask[: 2 * CHUNK].all())
+    assert engine.last_failed_range == (2 * CHUNK, 5 * CHUNK)
+
+
+def test_layerwise_store_keeps_only_chunks_with_every_layer() -> None:
+    g = geometry()
+    src = make_paged_kv(g, BLOCKS, seed=10)
+    tokens = torch.arange(N)
+    slots = random_slot_mapping(N, g, BLOCKS, seed=11)
+    engine = make_engine(g)
+    handle = engine.store_layerwise(tokens, kv_caches=src, slot_mapping=slots)
+    for layer in range(g.num_layers - 1):  # the last layer never arrives
+        handle.layer_ready(layer)
+    assert handle.finish() == 0
+    assert engine.lookup(tokens) == 0
+    assert engine.stats()["tiers"]["memory"]["entries"] == 0
+
+
+def test_aborted_layerwise_store_frees_its_slabs() -> None:
+    g = geometry()
+    src = make_paged_kv(g, BLOCKS, seed=12)
+    tokens = torch.arange(N)
+    slots = random_slot_mapping(N, g, BLOCKS, seed=13)
+    engine = make_engine(g)
+    free_before = engine.memory.arena.free_slabs
+    handle = engine.store_layerwise(tokens, kv_caches=src, slot_mapping=slots)
+    handle.layer_ready(0)
+    handle.abort()
+    assert engine.memory.arena.free_slabs == free_before
+
+
+def test_layerwise_needs_a_per_layer_stage(tmp_path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(textwrap.dedent("""\
+        [tiers.memory]
+        kind = "memory"
+
+        [[store.stages]]
+        use = "tokenize"
+
+        [[retrieve.stages]]
+        use = "tokenize"
+
+        [layerwise]
+        enabled = true
+    """))
+    with pytest.raises(PipelineError) as caught:
+        load_pipeline(bad)
+    messages = [str(d) for d in caught.value.diagnostics]
+    assert any(":11:1: layerwise is on but [[store.stages]] has no per-layer stage" in m for m in messages), messages
+
+
+def test_layerwise_spans_carry_the_layer_and_waits(tmp_path) -> None:
+    folder = tmp_path / "traces"
+    g = geometry()
+    src = make_paged_kv(g, BLOCKS, seed=14)
+    dst = make_paged_kv(g, BLOCKS, seed=15, fill=False)
+    tokens = torch.arange(N)
+    slots = random_slot_mapping(N, g, BLOCKS, seed=16)
+    engine = make_engine(g, **{"telemetry.exporter": "file", "telemetry.folder": str(folder)})
+    engine.store(tokens, kv_caches=src, slot_mapping=slots, request_id="req-1")
+    engine.retrieve(tokens, kv_caches=dst, slot_mapping=slots, request_id="req-2")
+    telemetry.flush()
+    [trace_file] = folder.glob("flowkv-*.json")
+    spans = load_spans(trace_file)
+    scatters = [s for s in spans if s.name == "scatter"]
+    gathers = [s for s in spans if s.name == "gather"]
+    assert sorted(s.attributes["flowkv.layer"] for s in scatters) == list(range(g.num_layers))
+    assert sorted(s.attributes["flowkv.layer"] for s in gathers) == list(range(g.num_layers))
+    waits = [s for s in spans if s.name == "flowkv.wait"]
+    assert sorted(s.attributes["flowkv.layer"] for s in waits) == list(range(g.num_layers))
+    by_id = {s.span_id: s for s in spans}
+    request_spans = {s.span_id for s in spans if s.name == "flowkv.retrieve.layerwise"}
+    for span in scatters:
+        root = by_id[span.parent_span_id]
+        assert root.name == "flowkv.retrieve" and root.parent_span_id in request_spans
+        assert span.attributes["flowkv.request_id"] == "req-2"
