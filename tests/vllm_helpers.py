@@ -1,0 +1,197 @@
+"""Shared pieces of the tests that run flowkv inside a real vLLM (CPU build).
+
+Each ``vllm.LLM`` start costs 20-50 s on two cores, so test modules share one
+engine per module through these helpers. The tiny model is built once into a
+cache folder (``FLOWKV_TEST_CACHE``, default ``~/.cache/flowkv/test-models``)
+and reused across runs.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from flowkv import stage
+from flowkv._testing.tiny_model import tiny_model
+from flowkv.items import Chunk
+
+BLOCK_SIZE = 128
+CHUNK_SIZE = 256
+# The tiny model's KV: 2 layers x 2 KV heads x 64 x (K, V) x bf16 = 1 KiB per token.
+KV_BYTES_PER_TOKEN = 2 * 2 * 64 * 2 * 2
+KV_BYTES_PER_BLOCK = KV_BYTES_PER_TOKEN * BLOCK_SIZE
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def tiny_model_dir() -> Path:
+    """The tiny Llama the vLLM tests run, built on first use."""
+    root = Path(os.environ.get("FLOWKV_TEST_CACHE", Path.home() / ".cache" / "flowkv" / "test-models"))
+    return tiny_model(root / "tiny-llama-l2-h256")
+
+
+def make_llm(
+    extra_config: dict[str, Any],
+    *,
+    kv_cache_blocks: int | None = None,
+    max_model_len: int = 4096,
+    max_num_batched_tokens: int | None = None,
+    **llm_kwargs: Any,
+):
+    """A ``vllm.LLM`` on the tiny model with flowkv as its KV connector.
+
+    Prefix caching is off, so ``RequestOutput.num_cached_tokens`` counts
+    exactly the tokens flowkv loaded. ``kv_cache_blocks`` sizes vLLM's KV
+    pool in blocks (default: ``VLLM_CPU_KVCACHE_SPACE``).
+    """
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    if kv_cache_blocks is not None:
+        llm_kwargs["kv_cache_memory_bytes"] = kv_cache_blocks * KV_BYTES_PER_BLOCK
+    if max_num_batched_tokens is not None:
+        llm_kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+    return LLM(
+        model=str(tiny_model_dir()),
+        dtype="bfloat16",
+        block_size=BLOCK_SIZE,
+        max_model_len=max_model_len,
+        enable_prefix_caching=False,
+        seed=0,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="FlowKVConnector",
+            kv_connector_module_path="flowkv.integration.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra_config,
+        ),
+        **llm_kwargs,
+    )
+
+
+def shutdown_llm(llm) -> None:
+    """Stop vLLM's engine-core and worker processes now, not at interpreter exit."""
+    engine_core = getattr(llm.llm_engine, "engine_core", None)
+    if engine_core is not None and hasattr(engine_core, "shutdown"):
+        engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def random_tokens(seed: int, count: int) -> list[int]:
+    """Token ids drawn from the tiny model's vocabulary, skipping its 3 special tokens."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 2048) for _ in range(count)]
+
+
+def request(
+    token_ids: Sequence[int],
+    *,
+    max_tokens: int = 16,
+    tags: dict[str, str] | None = None,
+    cache_salt: str | None = None,
+    skip_save: bool = False,
+) -> tuple[dict[str, Any], Any]:
+    """A (prompt, greedy SamplingParams) pair carrying flowkv's per-request settings."""
+    from vllm import SamplingParams
+
+    params: dict[str, Any] = {f"flowkv.tag.{name}": value for name, value in (tags or {}).items()}
+    if skip_save:
+        params["flowkv.skip_save"] = True
+    prompt: dict[str, Any] = {"prompt_token_ids": list(token_ids)}
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    sampling = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+        extra_args={"kv_transfer_params": params} if params else None,
+    )
+    return prompt, sampling
+
+
+def generate(llm, requests: Sequence[tuple[dict[str, Any], Any]]) -> list[tuple[list[int], int]]:
+    """Run requests as one batch; (generated token ids, num_cached_tokens) per request."""
+    prompts = [prompt for prompt, _ in requests]
+    params = [sampling for _, sampling in requests]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [(list(out.outputs[0].token_ids), out.num_cached_tokens) for out in outputs]
+
+
+def stats(llm) -> dict[str, Any]:
+    """The flowkv engine statistics of the LLM's worker (rank 0)."""
+    from flowkv.integration.vllm import worker_stats
+
+    return worker_stats(llm.llm_engine.vllm_config)
+
+
+def pipeline_file(folder: Path, *, name: str, extra_tables: str = "", retrieve_before_get: str = "") -> Path:
+    """Write a local-cpu-like pipeline file; optionally insert a retrieve stage before ``get``."""
+    path = folder / f"{name}.toml"
+    path.write_text(
+        f"""
+[pipeline]
+name = "{name}"
+chunk_size = {CHUNK_SIZE}
+
+[tiers.memory]
+kind = "memory"
+capacity = "256MiB"
+{extra_tables}
+[[store.stages]]
+use = "tokenize"
+[[store.stages]]
+use = "chunk-hash"
+[[store.stages]]
+use = "allocate"
+[[store.stages]]
+use = "gather"
+[[store.stages]]
+use = "compress"
+codec = "none"
+[[store.stages]]
+use = "put"
+
+[[retrieve.stages]]
+use = "tokenize"
+[[retrieve.stages]]
+use = "chunk-hash"
+[[retrieve.stages]]
+use = "lookup"
+{retrieve_before_get}
+[[retrieve.stages]]
+use = "get"
+[[retrieve.stages]]
+use = "decompress"
+[[retrieve.stages]]
+use = "scatter"
+""",
+        encoding="utf-8",
+    )
+    return path
+
+
+EVICT_TAG = "test_evict_chunk"
+
+
+@stage("test-evict-chunk", kinds=("retrieve",), needs={"hit"}, gives={"hit"})
+def evict_chunk(chunks: Iterator[Chunk], *, ctx) -> Iterator[Chunk]:
+    """Remove one chunk from the memory tier after lookup found it, before ``get`` reads it.
+
+    The chunk is the one whose index the request's ``test_evict_chunk`` tag
+    names: what an eviction between vLLM's lookup and its load looks like to
+    the rest of the retrieve pipeline. Requests without the tag pass untouched.
+
+    TOML::
+
+        [[retrieve.stages]]
+        use = "vllm_helpers:evict_chunk"
+    """
+    for chunk in chunks:
+        target = chunk.request.tags.get(EVICT_TAG)
+        if target is not None and chunk.index == int(target) and chunk.key_str is not None:
+            ctx.engine.memory.remove(chunk.key_str)
+        yield chunk
