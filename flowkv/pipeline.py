@@ -479,6 +479,10 @@ class _Loader:
                 self.error(path, f"[[{kind}.stages]] #{index + 1} must be a table", "invalid-value")
                 continue
             use = table.get("use")
+            if "use" in table and not isinstance(use, str):
+                self.error(path + ("use",), f"[[{kind}.stages]] #{index + 1}: 'use' must be a string "
+                           f"naming the stage, got {type(use).__name__} {use!r}", "invalid-value")
+                continue
             if not isinstance(use, str):
                 self.error(path, f"[[{kind}.stages]] #{index + 1}: missing required key 'use' "
                            "(the stage name)", "missing-key")
