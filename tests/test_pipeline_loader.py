@@ -144,6 +144,13 @@ def test_missing_use():
     assert "#2" in d.message and "'use'" in d.message
 
 
+def test_use_that_is_not_a_string():
+    d = only('[[store.stages]]\nuse = 3\n')
+    assert d.kind == "invalid-value"
+    at(d, 2)
+    assert "'use' must be a string naming the stage, got int 3" in d.message
+
+
 def test_unknown_stage_name_suggests_the_close_one():
     d = only(
         """
