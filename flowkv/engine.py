@@ -482,30 +482,38 @@ class CacheEngine:
             keys = [c.key_str for c in group]
             shapes = [self.chunk_shape(c) for c in group]
             future = portal.submit(self.slow[name].get, keys)
+            # Readers wait on ``landed``, set once the chunks are in memory: waiters
+            # of ``future`` itself wake before its done-callbacks (the promotion) run.
+            landed: concurrent.futures.Future[None] = concurrent.futures.Future()
             with self._lock:
                 for key in keys:
-                    self._prefetching[key] = future
+                    self._prefetching[key] = landed
                 if lookup_id is not None:
                     self._prefetch_owner.setdefault(lookup_id, []).extend(keys)
             future.add_done_callback(
-                lambda f, keys=keys, shapes=shapes, owner=lookup_id: self._prefetched(f, keys, shapes, owner)
+                lambda f, keys=keys, shapes=shapes, owner=lookup_id, landed=landed:
+                    self._prefetched(f, keys, shapes, owner, landed)
             )
             self.count("prefetches", len(keys))
 
     def _prefetched(self, future: concurrent.futures.Future[Any], keys: list[str],
-                    shapes: list[tuple[int, ...]], owner: Any) -> None:
+                    shapes: list[tuple[int, ...]], owner: Any,
+                    landed: concurrent.futures.Future[None]) -> None:
         try:
-            blobs = future.result()
-        except Exception:
-            blobs = [None] * len(keys)
-        for key, shape, blob in zip(keys, shapes, blobs):
-            if blob is not None and self._promote(key, blob, shape) and owner is not None:
-                # Pinned under (owner, key) so release(owner) can find it.
-                self.memory.pin(key, (owner, key), timeout_s=self.pin_timeout_s)
-        with self._lock:
-            for key in keys:
-                if self._prefetching.get(key) is future:
-                    del self._prefetching[key]
+            try:
+                blobs = future.result()
+            except Exception:
+                blobs = [None] * len(keys)
+            for key, shape, blob in zip(keys, shapes, blobs):
+                if blob is not None and self._promote(key, blob, shape) and owner is not None:
+                    # Pinned under (owner, key) so release(owner) can find it.
+                    self.memory.pin(key, (owner, key), timeout_s=self.pin_timeout_s)
+        finally:
+            with self._lock:
+                for key in keys:
+                    if self._prefetching.get(key) is landed:
+                        del self._prefetching[key]
+            landed.set_result(None)
 
     def read(self, chunk: Chunk, ctx: RunContext, *, promote: bool) -> bool:
         """Fill ``chunk.kv`` or ``chunk.payload`` from the tier lookup named; False if gone."""
