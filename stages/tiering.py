@@ -83,6 +83,9 @@ def put(chunks: Iterator[Chunk], *, ctx: RunContext, tiers: list[str] | None = N
             else:
                 nbytes = engine.put_behind(name, chunk)
             ctx.record(bytes=nbytes, tier=name)
+        # Every tier has its copy now; the run keeps its chunks until it ends,
+        # and a chunk-sized payload held per chunk would double a store's memory.
+        chunk.payload = None
         yield chunk
 
 
