@@ -75,6 +75,7 @@ class CacheEngine:
         hash_name = pipeline.section.hash
         self.hash_fn = get_hash_function(default_hash_function_name() if hash_name == "auto" else hash_name)
         self._counters: collections.Counter[str] = collections.Counter()  # counts, and *_ms totals
+        self._latencies: dict[str, list[float]] = {}
         self._lock = threading.Lock()
         self._prefixes: dict[tuple[tuple[str, str], ...], KeyPrefix] = {}
         self._key_cache: collections.OrderedDict[tuple[Any, ...], list[CacheKey]] = collections.OrderedDict()
@@ -185,7 +186,7 @@ class CacheEngine:
         request = Request(tokens=_as_tokens(tokens), tags=dict(tags or {}), lookup_id=lookup_id,
                           pin=pin, request_id=request_id)
         self._run("lookup", request)
-        self.count("lookup_ms", (time.perf_counter() - started) * 1e3)
+        self._observe("lookup", started)
         hit = request.hit_tokens or 0
         self.count("lookups")
         self.count("lookup_requested_tokens", request.num_tokens)
@@ -222,7 +223,7 @@ class CacheEngine:
         items = self._run("store", request)
         stored = sum(c.num_tokens for c in items if isinstance(c, Chunk))
         self._stored(stored)
-        self.count("store_ms", (time.perf_counter() - started) * 1e3)
+        self._observe("store", started)
         return stored
 
     def _stored(self, tokens: int) -> None:
@@ -265,7 +266,7 @@ class CacheEngine:
             if lookup_id is not None:
                 self.release(lookup_id)
         self._retrieved(request)
-        self.count("retrieve_ms", (time.perf_counter() - started) * 1e3)
+        self._observe("retrieve", started)
         return request.ret_mask
 
     def _retrieved(self, request: Request) -> None:
@@ -401,9 +402,24 @@ class CacheEngine:
 
     # -- what stages use --------------------------------------------------
 
-    def count(self, name: str, n: int = 1) -> None:
+    def count(self, name: str, n: float = 1) -> None:
         with self._lock:
             self._counters[name] += n
+
+    def _observe(self, kind: str, started: float) -> None:
+        """Record one call's duration: a running total, and an observation for metrics."""
+        ms = (time.perf_counter() - started) * 1e3
+        with self._lock:
+            self._counters[f"{kind}_ms"] += ms
+            observations = self._latencies.setdefault(kind, [])
+            if len(observations) < 10_000:  # bounded between two metric intervals
+                observations.append(ms)
+
+    def drain_latencies(self) -> dict[str, list[float]]:
+        """Durations (ms) of lookups, stores and retrieves since the last call."""
+        with self._lock:
+            drained, self._latencies = self._latencies, {}
+        return drained
 
     def masked_prefix(self, request: Request) -> int:
         return request.masked

@@ -82,11 +82,13 @@ def put(chunks: Iterator[Chunk], *, ctx: RunContext, tiers: list[str] | None = N
                 nbytes = engine.put_memory(chunk)
             else:
                 nbytes = engine.put_behind(name, chunk)
+            engine.count(f"tier.{name}.written_bytes", nbytes)
             ctx.record(bytes=nbytes, tier=name)
-        # Every tier has its copy now; the run keeps its chunks until it ends,
-        # and a chunk-sized payload held per chunk would double a store's memory.
-        chunk.payload = None
         yield chunk
+        # Downstream stages (a later put for other tiers) are done with this chunk
+        # once the yield returns; a payload kept per chunk until the run ends
+        # would double a store's memory.
+        chunk.payload = None
 
 
 @stage("lookup", kinds=("retrieve", "lookup"), needs={"key"}, gives={"hit"})
@@ -162,5 +164,7 @@ def get(chunks: Iterator[Chunk], *, ctx: RunContext, promote: bool = True) -> It
             engine.count("retrieve_missing_chunks")
             ctx.record(stopped=f"chunk {chunk.index} gone from tier {chunk.tier}")
             return
-        ctx.record(bytes=chunk.kv.nbytes if chunk.kv is not None else len(chunk.payload), tier=chunk.tier)
+        nbytes = chunk.kv.nbytes if chunk.kv is not None else len(chunk.payload)
+        engine.count(f"tier.{chunk.tier}.read_bytes", nbytes)
+        ctx.record(bytes=nbytes, tier=chunk.tier)
         yield chunk
