@@ -11,6 +11,7 @@ namespaced Redis key. Redis servers are real (``tests/redis_servers.py``).
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import time
 from pathlib import Path
@@ -394,3 +395,49 @@ def test_two_namespaces_on_one_server_never_see_each_other(redis_server):  # noq
     finally:
         ours.close()
         theirs.close()
+
+
+# -- flowkv bench tiers -------------------------------------------------------------
+
+
+def bench_tiers(capsys, *argv: str) -> tuple[int, str, str]:
+    import argparse
+
+    from flowkv.bench import tiers as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    status = bench.run(parser.parse_args(list(argv)))
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_bench_tiers_measures_every_tier_against_its_raw_medium(capsys, tmp_path, redis_server):  # noqa: F811
+    status, out, err = bench_tiers(capsys, "--tokens", "256", "--repeats", "1", "--json",
+                                   "--dir", str(tmp_path), "--redis-url", redis_server.url)
+    assert status == 0, err
+    report = json.loads(out)
+    assert report["chunks"] == 1 and report["chunk_bytes"] == 8 << 20
+    assert list(report["tiers"]) == ["memory", "disk", "redis"]
+    for name, row in report["tiers"].items():
+        for figure in ("put_gbps", "get_gbps", "raw_put_gbps", "raw_get_gbps", "lookup_ms"):
+            assert row[figure] > 0, (name, figure, row)
+        assert row["put_vs_raw"] == pytest.approx(row["put_gbps"] / row["raw_put_gbps"])
+    assert list(tmp_path.iterdir()) == []  # its files and its Redis namespace are gone
+    client = redis.Redis.from_url(redis_server.url)
+    assert not client.keys("flowkv-bench-*")
+    client.close()
+
+
+def test_bench_tiers_without_redis_server_skips_redis_with_a_note(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no redis-server to start
+    status, out, err = bench_tiers(capsys, "--tokens", "256", "--repeats", "1", "--dir", str(tmp_path))
+    assert status == 0, err
+    assert "redis   skipped: no --redis-url and no redis-server on PATH" in out
+    assert "x raw" in out and out.count("GB/s") >= 2
+
+
+def test_bench_tiers_rejects_less_than_a_chunk(capsys):
+    status, _out, err = bench_tiers(capsys, "--tokens", "100", "--repeats", "1")
+    assert status == 1
+    assert "--tokens 100 is less than one chunk (256 tokens)" in err
