@@ -26,6 +26,7 @@ from flowkv.registry import available
 from test_tier_chain import (
     CHUNK,
     GEOMETRY,
+    HEALTHY_TIMEOUT_S,
     NUM_CHUNKS,
     NUM_TOKENS,
     Workload,
@@ -73,7 +74,7 @@ def installed(site: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def make_engine(database: Path, **overrides: object) -> CacheEngine:
     settings = {"chunk_size": CHUNK, "tiers.memory.capacity": "8MiB", "tiers.sqlite.path": str(database),
-                **overrides}
+                "tiers.sqlite.timeout_s": HEALTHY_TIMEOUT_S, **overrides}
     return CacheEngine.from_pipeline(PIPELINE, geometry=GEOMETRY, model_name="tiny", overrides=settings)
 
 

@@ -34,6 +34,7 @@ NUM_TOKENS = NUM_CHUNKS * CHUNK
 GEOMETRY = KVGeometry("cpu", num_layers=2, num_kv_heads=2, head_size=16, block_size=16, dtype=torch.bfloat16)
 # How long a background write or prefetch may take to land: readiness, not a performance claim.
 SETTLE_S = 30.0
+HEALTHY_TIMEOUT_S = 10.0
 
 _namespaces = itertools.count()
 
@@ -53,11 +54,15 @@ def make_engine(
 ) -> CacheEngine:
     """A small engine on a built-in pipeline (or a file), pointed at this test's disk folder and Redis."""
     settings: dict[str, object] = {"chunk_size": CHUNK, "tiers.memory.capacity": "8MiB"}
+    # A busy test machine must not turn a healthy call into a guard timeout (and a
+    # skipped tier); the tests about timeouts set their own.
     if disk is not None:
         settings["tiers.disk.path"] = str(disk)
+        settings["tiers.disk.timeout_s"] = HEALTHY_TIMEOUT_S
     if redis_url is not None:
         settings["tiers.redis.url"] = redis_url
         settings["tiers.redis.namespace"] = namespace or fresh_namespace()
+        settings["tiers.redis.timeout_s"] = HEALTHY_TIMEOUT_S
     settings.update(overrides)
     return CacheEngine.from_pipeline(pipeline, geometry=GEOMETRY, model_name="tiny", overrides=settings)
 

@@ -33,9 +33,11 @@ from test_tier_chain import (
     tier_stats,
 )
 
-# A hung server costs one timeout per probe, and a dead one is probed again soon. The
-# timeout leaves room for a busy test machine: a healthy call must never hit it.
-FAST_FAILING = {"tiers.redis.timeout_s": 1.0, "tiers.redis.backoff_max_s": 0.5}
+# A dead server refuses at once and is probed again soon.
+DEAD_SERVER = {"tiers.redis.backoff_max_s": 0.5}
+# A hung server costs one timeout per probe; still room for a busy test machine,
+# where a healthy call must never hit it.
+HUNG_SERVER = {"tiers.redis.timeout_s": 1.0, "tiers.redis.backoff_max_s": 0.5}
 
 
 def one_request(engine: CacheEngine, work: Workload) -> torch.Tensor:
@@ -80,7 +82,7 @@ def assert_recovers(engine: CacheEngine, seed: int) -> None:
 
 
 def test_redis_killed_mid_workload(own_redis_server):  # noqa: F811
-    engine = make_engine("cpu-redis", redis_url=own_redis_server.url, **FAST_FAILING)
+    engine = make_engine("cpu-redis", redis_url=own_redis_server.url, **DEAD_SERVER)
     try:
         before = [Workload(seed=seed) for seed in range(3)]
         for work in before:
@@ -118,7 +120,7 @@ def test_redis_killed_mid_workload(own_redis_server):  # noqa: F811
 
 def test_redis_hung_mid_workload(own_redis_server):  # noqa: F811
     """A paused server (connections open, no answers): every call is cut off by the guard's timeout."""
-    engine = make_engine("cpu-redis", redis_url=own_redis_server.url, **FAST_FAILING)
+    engine = make_engine("cpu-redis", redis_url=own_redis_server.url, **HUNG_SERVER)
     try:
         first = Workload(seed=1)
         one_request(engine, first)
