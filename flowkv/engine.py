@@ -36,7 +36,14 @@ import xxhash
 from flowkv import payload as payloads
 from flowkv import telemetry
 from flowkv.items import Chunk, Request, RunContext
-from flowkv.keys import CacheKey, KeyPrefix, chain_hashes, default_hash_function_name, get_hash_function
+from flowkv.keys import (
+    CacheKey,
+    KeyPrefix,
+    chain_hashes,
+    chain_span_hashes,
+    default_hash_function_name,
+    get_hash_function,
+)
 from flowkv.kernels import KVGeometry
 from flowkv.memory import MemoryArena, MemoryObj, MemoryTier
 from flowkv.pipeline import Pipeline, load_pipeline
@@ -438,8 +445,9 @@ class CacheEngine:
             self._prefixes[frozen] = prefix
         return prefix
 
-    def chunk_keys(self, request: Request) -> list[CacheKey]:
-        """Keys of every chunk of the request (a partial last one included).
+    def chunk_keys(self, request: Request, spans: Sequence[tuple[int, int]] | None = None) -> list[CacheKey]:
+        """Keys of the request's chunks: every ``chunk_size`` tokens (a partial last one
+        included), or of the given consecutive ``spans`` (from a segmenter).
 
         Lookup, retrieve and store of one request hash the same tokens; a small
         cache keyed by a fast digest of the tokens does it once.
@@ -447,13 +455,20 @@ class CacheEngine:
         prefix = self.key_prefix(request.tags)
         tokens = request.tokens
         digest = xxhash.xxh3_128_digest(tokens.numpy().tobytes())
-        cache_key = (prefix, digest, request.num_tokens)
+        regular = spans is None or all(
+            start == i * self.chunk_size and end == min(start + self.chunk_size, request.num_tokens)
+            for i, (start, end) in enumerate(spans)
+        )
+        cache_key = (prefix, digest, request.num_tokens, None if regular else tuple(spans))
         with self._lock:
             keys = self._key_cache.get(cache_key)
             if keys is not None:
                 self._key_cache.move_to_end(cache_key)
                 return keys
-        hashes = chain_hashes(tokens, self.chunk_size, self.hash_fn, partial=True)
+        if regular:
+            hashes = chain_hashes(tokens, self.chunk_size, self.hash_fn, partial=True)
+        else:
+            hashes = chain_span_hashes(tokens, spans, self.hash_fn)
         keys = prefix.keys(hashes)
         with self._lock:
             self._key_cache[cache_key] = keys

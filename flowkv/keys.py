@@ -49,6 +49,7 @@ __all__ = [
     "ChunkHashFunction",
     "KeyPrefix",
     "chain_hashes",
+    "chain_span_hashes",
     "chunk_spans",
     "default_hash_function_name",
     "get_hash_function",
@@ -362,6 +363,32 @@ def chain_hashes(
         return fn._chain(fn._prepare(token_ids), spans, extra, fn._parent(parent))
     except cbor2.CBOREncodeError as exc:
         raise ValueError(f"extra keys are not CBOR-encodable: {exc}") from None
+
+
+def chain_span_hashes(
+    tokens: Any,
+    spans: Sequence[tuple[int, int]],
+    hash_fn: str | ChunkHashFunction,
+    *,
+    extra: tuple | None = None,
+) -> list[bytes]:
+    """Chained hashes of arbitrary consecutive spans ``[(start, end), ...]`` of ``tokens``.
+
+    For segmenters that cut chunks at content boundaries instead of every
+    ``chunk_size`` tokens; with fixed-size spans it equals `chain_hashes`.
+    """
+    fn = get_hash_function(hash_fn)
+    _check_extra(extra)
+    array = _as_token_array(tokens)
+    expected = 0
+    for start, end in spans:
+        if start != expected or end <= start or end > array.shape[0]:
+            raise ValueError(f"spans must be consecutive, non-empty and within {array.shape[0]} tokens; "
+                             f"got ({start}, {end}) after {expected}")
+        expected = end
+    if not spans:
+        return []
+    return fn._chain(fn._prepare(array), list(spans), extra, fn._parent(None))
 
 
 # --------------------------------------------------------------------------

@@ -44,9 +44,10 @@ def tokenize(requests: Iterator[Request], *, ctx: RunContext) -> Iterator[Chunk]
 def chunk_hash(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
     """Give every chunk its key: the chained hash of its tokens under the request's key prefix.
 
-    The whole request is hashed in one call when its first chunk arrives
-    (a chunk's hash depends on every chunk before it), with the hash function
-    named by ``[pipeline] hash``.
+    A chunk's hash depends on every chunk before it, so each request's chunks
+    are hashed together in one call, with the hash function named by
+    ``[pipeline] hash``. Chunks need not be ``chunk_size`` long: a segmenter
+    before this stage may cut them anywhere, as long as they are consecutive.
 
     TOML::
 
@@ -54,13 +55,23 @@ def chunk_hash(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
         use = "chunk-hash"
     """
     engine = ctx.engine
-    request = None
-    keys: list = []
+    batch: list[Chunk] = []
     for chunk in chunks:
-        if chunk.request is not request:
-            request = chunk.request
-            keys = engine.chunk_keys(request)
-        key = keys[chunk.index]
+        if batch and chunk.request is not batch[0].request:
+            yield from _keyed(engine, batch)
+            batch = []
+        batch.append(chunk)
+    yield from _keyed(engine, batch)
+
+
+def _keyed(engine, chunks: list[Chunk]) -> Iterator[Chunk]:
+    if not chunks:
+        return
+    spans = [(c.start, c.end) for c in chunks]
+    if spans[0][0] != 0:
+        raise ValueError(f"chunk-hash got chunks starting at token {spans[0][0]}; the chain starts at 0")
+    keys = engine.chunk_keys(chunks[0].request, spans)
+    for chunk, key in zip(chunks, keys):
         chunk.key = key
         chunk.key_str = key.to_str()
         yield chunk
