@@ -50,7 +50,8 @@ def setup_environment() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     cores = os.cpu_count() or 1
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}" if cores > 1 else "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # vLLM's processes warn about torch deprecations
 
 
 def documents(tokenizer: Any, count: int, doc_tokens: int) -> list[list[int]]:
