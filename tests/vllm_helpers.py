@@ -27,7 +27,6 @@ KV_BYTES_PER_BLOCK = KV_BYTES_PER_TOKEN * BLOCK_SIZE
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def tiny_model_dir() -> Path:
@@ -39,7 +38,7 @@ def tiny_model_dir() -> Path:
 def make_llm(
     extra_config: dict[str, Any],
     *,
-    kv_cache_blocks: int | None = None,
+    kv_cache_blocks: int = 512,
     max_model_len: int = 4096,
     max_num_batched_tokens: int | None = None,
     **llm_kwargs: Any,
@@ -48,15 +47,23 @@ def make_llm(
 
     Prefix caching is off, so ``RequestOutput.num_cached_tokens`` counts
     exactly the tokens flowkv loaded. ``kv_cache_blocks`` sizes vLLM's KV
-    pool in blocks (default: ``VLLM_CPU_KVCACHE_SPACE``).
+    pool in blocks.
     """
+    if max_num_batched_tokens is not None:
+        llm_kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+    # vLLM's CPU platform lets this variable override kv_cache_memory_bytes.
+    saved_space = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    try:
+        return _make_llm(extra_config, kv_cache_blocks * KV_BYTES_PER_BLOCK, max_model_len, llm_kwargs)
+    finally:
+        if saved_space is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved_space
+
+
+def _make_llm(extra_config: dict[str, Any], kv_bytes: int, max_model_len: int, llm_kwargs: dict[str, Any]):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    if kv_cache_blocks is not None:
-        llm_kwargs["kv_cache_memory_bytes"] = kv_cache_blocks * KV_BYTES_PER_BLOCK
-    if max_num_batched_tokens is not None:
-        llm_kwargs["max_num_batched_tokens"] = max_num_batched_tokens
     return LLM(
         model=str(tiny_model_dir()),
         dtype="bfloat16",
@@ -64,6 +71,7 @@ def make_llm(
         max_model_len=max_model_len,
         enable_prefix_caching=False,
         seed=0,
+        kv_cache_memory_bytes=kv_bytes,
         kv_transfer_config=KVTransferConfig(
             kv_connector="FlowKVConnector",
             kv_connector_module_path="flowkv.integration.vllm",

@@ -247,8 +247,11 @@ class _RequestState:
     lookup_base: int = 0
     # A load vLLM accepted and the next step must carry out.
     pending_load: tuple[int, int] | None = None
-    # Tokens (chunk-aligned) flowkv holds or was asked to store.
+    # Tokens (chunk-aligned) this request asked flowkv to store.
     stored_end: int = 0
+    # Tokens vLLM will have computed after the last scheduled step; fewer at
+    # the next step means vLLM rolled the request back (failed load, preemption).
+    expected_computed: int = 0
 
 
 def request_tags(request: Request) -> tuple[dict[str, str], bool]:
@@ -330,6 +333,9 @@ class FlowKVConnector(KVConnectorBase_V1):
         # The engine is driven from the inference thread and the IPC thread.
         self._engine_lock = threading.Lock()
         self._load_error_blocks: set[int] = set()
+        # Requests whose load this step came back short -> tokens loaded; the
+        # KV this step computes past that point is wrong and must not be stored.
+        self._short_loads: dict[str, int] = {}
 
         if role == KVConnectorRole.SCHEDULER:
             policy = self._kv_transfer_config.kv_load_failure_policy
@@ -426,6 +432,11 @@ class FlowKVConnector(KVConnectorBase_V1):
 
         for state, num_computed in steps:
             req_id = state.request.request_id
+            if num_computed < state.expected_computed:
+                # Stores asked for past this point may have been cut short
+                # (a failed load poisons the rest of its step); ask again.
+                # The engine skips chunks it already holds.
+                state.stored_end = min(state.stored_end, _floor(num_computed, self._chunk_size))
             if state.pending_load is not None:
                 start, end = state.pending_load
                 state.pending_load = None
@@ -448,11 +459,14 @@ class FlowKVConnector(KVConnectorBase_V1):
                 )
                 # The retrieve releases the lookup's pins.
                 state.lookup_id = None
-                # Chunks flowkv served are chunks flowkv holds.
+                # Chunks flowkv serves are chunks it holds. Should the load
+                # come back short, vLLM rolls the request back and the check
+                # above lowers this again.
                 state.stored_end = max(state.stored_end, _floor(end, self._chunk_size))
+            computed_after_step = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            state.expected_computed = computed_after_step
             if state.skip_save:
                 continue
-            computed_after_step = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             known_tokens = state.request.num_tokens if self._save_decode else state.request.num_prompt_tokens
             store_end = _floor(min(computed_after_step, known_tokens), self._chunk_size)
             if store_end > state.stored_end:
@@ -610,6 +624,7 @@ class FlowKVConnector(KVConnectorBase_V1):
                 with self._engine_lock:
                     self._release_quietly(load.lookup_id)
             if loaded_to < load.end:
+                self._short_loads[load.req_id] = loaded_to
                 first_bad_block = loaded_to // self._block_size
                 last_block = (load.end - 1) // self._block_size
                 self._load_error_blocks.update(load.block_ids[first_bad_block:last_block + 1])
@@ -637,10 +652,18 @@ class FlowKVConnector(KVConnectorBase_V1):
     def wait_for_save(self):
         """Store the chunks this step completed; they are in flowkv when this returns."""
         meta = self._connector_metadata
+        short_loads, self._short_loads = self._short_loads, {}
         if not isinstance(meta, FlowKVMetadata) or not meta.saves:
             return
         for save in meta.saves:
-            tokens = torch.tensor(save.token_ids, dtype=torch.int64)
+            token_ids = save.token_ids
+            if save.req_id in short_loads:
+                # Only KV before the first missing token is right; vLLM
+                # recomputes the rest and the scheduler asks again then.
+                token_ids = token_ids[:_floor(short_loads[save.req_id], self._chunk_size)]
+                if len(token_ids) <= save.skip_prefix:
+                    continue
+            tokens = torch.tensor(token_ids, dtype=torch.int64)
             try:
                 slots = self._slot_mapping(save.block_ids, len(tokens), 0, len(tokens))
                 with self._engine_lock:
