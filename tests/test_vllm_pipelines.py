@@ -1,0 +1,80 @@
+"""Choosing a pipeline for vLLM: errors at start-up, and a disk tier across restarts.
+
+Each test starts its own vLLM engines (about 20-40 s each on two cores).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_helpers import (  # noqa: E402
+    generate,
+    make_llm,
+    random_tokens,
+    request,
+    shutdown_llm,
+    stats,
+)
+
+pytestmark = pytest.mark.vllm
+
+
+def test_bad_pipeline_stops_vllm_at_start_with_every_error(tmp_path, capfd):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(
+        "[pipeline]\n"
+        'name = "bad"\n'
+        "chunk_sise = 256\n"
+        "[tiers.memory]\n"
+        'kind = "memory"\n'
+        'capacity = "64MiB"\n'
+        "[[store.stages]]\n"
+        'use = "tokenize"\n'
+        "[[store.stages]]\n"
+        'use = "gathr"\n',
+        encoding="utf-8",
+    )
+    with pytest.raises(RuntimeError):
+        make_llm({"pipeline": str(bad)})
+    logs = capfd.readouterr().err
+    assert f"{bad}:3:1: [pipeline]: unknown key 'chunk_sise'; did you mean 'chunk_size'?" in logs
+    assert f"{bad}:10:1: unknown stage 'gathr'; did you mean 'gather'?" in logs
+
+
+def test_disk_tier_serves_a_restarted_vllm_and_keys_carry_the_model_name(tmp_path):
+    settings = {
+        "pipeline": "cpu-disk",
+        "tiers.disk.path": str(tmp_path / "disk"),
+        "tiers.disk.capacity": "256MiB",
+        "tiers.memory.capacity": "64MiB",
+    }
+    prompt = random_tokens(500, 1800)
+
+    first = make_llm(settings)
+    try:
+        [(cold, cold_cached)] = generate(first, [request(prompt)])
+    finally:
+        shutdown_llm(first)
+    assert cold_cached == 0
+    # Closing the worker's engine drains the disk tier's write-behind queue.
+    assert len(list((tmp_path / "disk").rglob("*.kv"))) == 7
+
+    restarted = make_llm(settings)
+    try:
+        memory_entries_at_start = stats(restarted)["tiers"]["memory"]["entries"]
+        [(warm, warm_cached)] = generate(restarted, [request(prompt)])
+    finally:
+        shutdown_llm(restarted)
+    # A new process starts with an empty memory tier: the hit came from disk.
+    assert memory_entries_at_start == 0
+    assert warm_cached == 1792
+    assert warm == cold
+
+    other_model = make_llm({**settings, "model_name": "some-other-model"})
+    try:
+        [(_, other_cached)] = generate(other_model, [request(prompt)])
+    finally:
+        shutdown_llm(other_model)
+    assert other_cached == 0
