@@ -31,6 +31,7 @@ def llm():
     engine = make_llm(
         {"pipeline": "local-cpu", "chunk_size": CHUNK_SIZE, "tiers.memory.capacity": "256MiB"},
         max_num_batched_tokens=1024,
+        disable_log_stats=False,  # vLLM's metrics carry flowkv's numbers
     )
     yield engine
     shutdown_llm(engine)
@@ -137,3 +138,18 @@ def test_batch_of_requests_sharing_a_prefix(llm):
     results = generate(llm, [request(prefix + s, max_tokens=12) for s in suffixes])
     assert [cached for _, cached in results] == [loadable(1500)] * 4
     assert stats(llm)["tiers"]["memory"]["pinned_objects"] == 0
+
+
+def flowkv_metric(llm, name: str) -> float:
+    """A ``vllm:flowkv_*`` counter as vLLM's Prometheus registry holds it (0 before first use)."""
+    return sum(m.value for m in llm.get_metrics() if m.name == f"vllm:flowkv_{name}" and hasattr(m, "value"))
+
+
+def test_flowkv_numbers_reach_vllm_metrics(llm):
+    prompt = random_tokens(70, 1100)
+    stored_before = flowkv_metric(llm, "stored_tokens")
+    generate(llm, [request(prompt)])
+    retrieved_before = flowkv_metric(llm, "retrieved_tokens")
+    generate(llm, [request(prompt)])
+    assert flowkv_metric(llm, "stored_tokens") - stored_before == 1024
+    assert flowkv_metric(llm, "retrieved_tokens") - retrieved_before == loadable(1100)

@@ -78,3 +78,18 @@ def test_disk_tier_serves_a_restarted_vllm_and_keys_carry_the_model_name(tmp_pat
     finally:
         shutdown_llm(other_model)
     assert other_cached == 0
+
+
+def test_save_decode_lets_the_next_turn_reuse_generated_tokens():
+    llm = make_llm({"pipeline": "local-cpu", "save_decode": True, "tiers.memory.capacity": "64MiB"})
+    try:
+        first_turn = random_tokens(600, 600)
+        [(answer, _)] = generate(llm, [request(first_turn, max_tokens=300)])
+        # The next turn sends the conversation so far plus a new question.
+        next_turn = first_turn + answer + random_tokens(601, 50)
+        [(_, cached)] = generate(llm, [request(next_turn)])
+    finally:
+        shutdown_llm(llm)
+    # 899 tokens have KV after the first turn (the last sampled token has
+    # none yet): 3 whole chunks, one more than the prompt alone fills.
+    assert cached == 768

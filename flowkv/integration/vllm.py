@@ -132,6 +132,12 @@ from flowkv.integration._ipc import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -336,6 +342,7 @@ class FlowKVConnector(KVConnectorBase_V1):
         # Requests whose load this step came back short -> tokens loaded; the
         # KV this step computes past that point is wrong and must not be stored.
         self._short_loads: dict[str, int] = {}
+        self._stats_at_last_report: dict[str, Any] | None = None
 
         if role == KVConnectorRole.SCHEDULER:
             policy = self._kv_transfer_config.kv_load_failure_policy
@@ -684,6 +691,43 @@ class FlowKVConnector(KVConnectorBase_V1):
         """Blocks whose load came back short since the last call (vLLM recomputes them)."""
         failed, self._load_error_blocks = self._load_error_blocks, set()
         return failed
+
+    # ==========================================================================
+    # Stats: worker numbers -> vLLM's stats loggers and Prometheus
+    # ==========================================================================
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """What the worker's engine did since the last call (vLLM asks after every step)."""
+        if self._engine is None:
+            return None
+        from flowkv.integration.metrics import FlowKVStats, snapshot
+
+        with self._engine_lock:
+            now = snapshot(self._engine.stats())
+            latencies = self._engine.drain_latencies()
+        interval = FlowKVStats.between(self._stats_at_last_report or {"counters": {}}, now, latencies)
+        self._stats_at_last_report = now
+        return None if interval.is_empty() else interval
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        """Rebuild the stats a worker sent (vLLM calls this where it aggregates them)."""
+        from flowkv.integration.metrics import FlowKVStats
+
+        return FlowKVStats(data=dict(data) if data is not None else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        """The ``vllm:flowkv_*`` Prometheus metrics (see ``flowkv.integration.metrics``)."""
+        from flowkv.integration.metrics import FlowKVPromMetrics
+
+        return FlowKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self):
         """Stop serving lookups and close the engine."""
