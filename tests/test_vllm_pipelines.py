@@ -93,3 +93,30 @@ def test_save_decode_lets_the_next_turn_reuse_generated_tokens():
     # 899 tokens have KV after the first turn (the last sampled token has
     # none yet): 3 whole chunks, one more than the prompt alone fills.
     assert cached == 768
+
+
+def test_with_vllm_prefix_caching_flowkv_serves_what_vllm_evicted():
+    # vLLM's own prefix cache on (its default) in a pool of 40 blocks.
+    llm = make_llm({"pipeline": "local-cpu", "tiers.memory.capacity": "64MiB"},
+                   kv_cache_blocks=40, enable_prefix_caching=True)
+    try:
+        prefix = random_tokens(700, 2000)
+        generate(llm, [request(prefix + random_tokens(701, 30))])
+        [(_, local_hit)] = generate(llm, [request(prefix + random_tokens(702, 30))])
+        # Two other prompts take the pool: vLLM evicts the prefix's blocks.
+        generate(llm, [request(random_tokens(703, 2000))])
+        generate(llm, [request(random_tokens(704, 2000))])
+
+        prompt = prefix + random_tokens(705, 30)
+        # A new cache salt misses in vLLM's cache and in flowkv alike.
+        [(cold, cold_cached)] = generate(llm, [request(prompt, cache_salt="fresh")])
+        before = stats(llm).get("retrieved_tokens", 0)
+        [(warm, warm_cached)] = generate(llm, [request(prompt)])
+        retrieved = stats(llm).get("retrieved_tokens", 0) - before
+    finally:
+        shutdown_llm(llm)
+    assert local_hit == 1920  # vLLM's own hit: 15 whole blocks of the prefix
+    assert cold_cached == 0
+    assert warm_cached >= 1792
+    assert retrieved > 0
+    assert warm == cold

@@ -45,12 +45,13 @@ def make_llm(
 ):
     """A ``vllm.LLM`` on the tiny model with flowkv as its KV connector.
 
-    Prefix caching is off, so ``RequestOutput.num_cached_tokens`` counts
-    exactly the tokens flowkv loaded. ``kv_cache_blocks`` sizes vLLM's KV
-    pool in blocks.
+    Prefix caching is off unless asked for, so ``RequestOutput.num_cached_tokens``
+    counts exactly the tokens flowkv loaded. ``kv_cache_blocks`` sizes vLLM's
+    KV pool in blocks.
     """
     if max_num_batched_tokens is not None:
         llm_kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+    llm_kwargs.setdefault("enable_prefix_caching", False)
     # vLLM's CPU platform lets this variable override kv_cache_memory_bytes.
     saved_space = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     try:
@@ -69,7 +70,6 @@ def _make_llm(extra_config: dict[str, Any], kv_bytes: int, max_model_len: int, l
         dtype="bfloat16",
         block_size=BLOCK_SIZE,
         max_model_len=max_model_len,
-        enable_prefix_caching=False,
         seed=0,
         kv_cache_memory_bytes=kv_bytes,
         kv_transfer_config=KVTransferConfig(
