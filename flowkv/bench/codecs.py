@@ -4,15 +4,31 @@ Each codec encodes and decodes the same chunk tensor through
 `flowkv.payload` (header and checksums included, as a tier sees it). The
 ``none`` codec is measured in the same run and every ratio is against it.
 
-Input is a KV tensor saved with ``torch.save`` (``--kv-file``), of shape
-``(num_layers, kv, num_tokens, num_kv_heads, head_size)``, or by default a
-synthetic KV whose statistics resemble a trained model's: keys after RoPE
-with per-channel scales and a few outlier channels, values smaller and
-smooth along tokens. Synthetic numbers say how the codecs behave on that
-kind of data, not what a given model gets; the output says which it used.
+Input, by default: the KV that the demo model (``flowkv.demo.DEMO_MODEL``,
+built locally by ``flowkv.testing.tiny_model``) computes with transformers
+on CPU for real text (Python standard-library sources read from this
+machine), cut into chunks of ``--tokens`` tokens as the cache stores them.
+Each chunk is encoded on its own, so per-chunk statistics (the KIVI key
+scales) are what a tier gets. The demo model has random weights: its KV has
+the structure of a real Llama's (RoPE keys, per-head scales, values mixed
+from real token embeddings) but not a trained model's statistics, and the
+output says so.
+
+Other inputs: ``--kv-file`` (a tensor saved with ``torch.save``, shape
+``(num_layers, kv, num_tokens, num_kv_heads, head_size)``), or
+``--synthetic``: KV drawn to resemble a trained model's (keys after RoPE
+with per-channel scales and outlier channels, values smooth along tokens).
+Any synthetic shape option (``--layers``, ``--kv-heads``, ``--head-size``,
+``--mla``, ``--seed``, ``--dtype``) selects synthetic KV too. When
+transformers or the demo model cannot be built, the run falls back to
+synthetic KV and says why.
+
+The table ends with what the byte-plane shuffle buys on this KV: for lz4
+and zstd, the size with and without it.
 
     flowkv bench codecs
-    flowkv bench codecs --kv-file chunk.pt --json
+    flowkv bench codecs --synthetic --json
+    flowkv bench codecs --kv-file chunk.pt
 """
 
 from __future__ import annotations
@@ -22,7 +38,8 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +47,7 @@ import torch
 from flowkv import payload
 from flowkv.codecs import codec_names, get_codec
 
-__all__ = ["add_arguments", "measure", "run", "synthetic_kv"]
+__all__ = ["add_arguments", "measure", "model_kv", "run", "shuffle_gains", "synthetic_kv"]
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -93,6 +110,48 @@ def synthetic_kv(
     return torch.stack([keys, values], dim=1).to(dtype)
 
 
+def model_kv(
+    model_dir: str | Path | None = None,
+    *,
+    documents: int = 2,
+    doc_tokens: int = 1024,
+    chunk_tokens: int = 256,
+) -> list[torch.Tensor]:
+    """Chunks of real KV: the demo model's keys and values for standard-library source text.
+
+    Builds the demo model in `model_dir` (default: the demo's folder) if it
+    is not there yet, runs a transformers forward pass with ``use_cache`` on
+    `documents` documents of `doc_tokens` tokens each, and returns chunk
+    tensors ``(num_layers, 2, chunk_tokens, num_kv_heads, head_size)`` in the
+    model's dtype (the last chunk of a document may be shorter). Keys are
+    taken after RoPE, as a paged KV cache holds them.
+    """
+    import os
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from flowkv.demo import DEMO_MODEL, default_model_dir
+    from flowkv.demo import documents as read_documents
+    from flowkv.testing import tiny_model
+
+    if chunk_tokens <= 0 or doc_tokens <= 0 or documents <= 0:
+        raise ValueError("documents, doc_tokens and chunk_tokens must be positive")
+    folder = tiny_model(model_dir or default_model_dir(), **DEMO_MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16)
+    model.eval()
+    chunks: list[torch.Tensor] = []
+    for ids in read_documents(tokenizer, documents, doc_tokens):
+        with torch.no_grad():
+            cache = model(torch.tensor([ids]), use_cache=True).past_key_values
+        # transformers 5: one DynamicLayer per layer, keys/values (batch, kv_heads, tokens, head_size).
+        layers = [torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers]
+        doc = torch.stack(layers).permute(0, 1, 3, 2, 4)  # -> (layers, 2, tokens, kv_heads, head_size)
+        chunks += [c.contiguous() for c in doc.split(chunk_tokens, dim=2)]
+    return chunks
+
+
 def load_kv_file(path: str) -> torch.Tensor:
     """A chunk tensor from a ``torch.save`` file (tensors only, no pickled code)."""
     tensor = torch.load(path, map_location="cpu", weights_only=True)
@@ -138,34 +197,58 @@ def _errors(kv: torch.Tensor, decoded: torch.Tensor) -> dict[str, float]:
     return result
 
 
-def measure(kv: torch.Tensor, codecs: list[tuple[str, dict[str, Any]]], *, repeats: int = 5) -> list[dict[str, Any]]:
-    """Encode/decode `kv` with each (codec, params); ``none`` is always measured first.
+def measure(
+    kv: torch.Tensor | Sequence[torch.Tensor],
+    codecs: list[tuple[str, dict[str, Any]]],
+    *,
+    repeats: int = 5,
+) -> list[dict[str, Any]]:
+    """Encode/decode `kv` (one chunk tensor or a list of them) with each (codec, params).
 
-    Returns one row per codec: payload bytes, ratio (raw / payload),
-    size and speed relative to ``none``, encode/decode GB/s of raw tensor
-    bytes (best of `repeats`), and for lossy codecs the errors.
+    ``none`` is always measured first. Each chunk is its own payload, as in a
+    tier. Returns one row per codec: payload bytes (all chunks), ratio (raw /
+    payload), size and speed relative to ``none``, encode/decode GB/s of raw
+    tensor bytes (best of `repeats` passes over all chunks), and for lossy
+    codecs the errors over all chunks.
     """
-    raw_bytes = kv.numel() * kv.element_size()
+    chunks = [kv] if isinstance(kv, torch.Tensor) else list(kv)
+    if not chunks:
+        raise ValueError("no KV to measure")
+    raw_bytes = sum(c.numel() * c.element_size() for c in chunks)
     plan = [("none", {})] + [(name, params) for name, params in codecs if (name, params) != ("none", {})]
-    out = torch.empty_like(kv)
+    outs = [torch.empty_like(c) for c in chunks]
     rows = []
     for name, params in plan:
-        blob = payload.encode(kv, name, **params)
-        encode_s = _best_seconds(lambda: payload.encode(kv, name, **params), repeats)
-        decode_s = _best_seconds(lambda: payload.decode_into(blob, out), repeats)
+        blobs = [payload.encode(c, name, **params) for c in chunks]
+
+        def encode_all() -> None:
+            for c in chunks:
+                payload.encode(c, name, **params)
+
+        def decode_all() -> None:
+            for blob, out in zip(blobs, outs):
+                payload.decode_into(blob, out)
+
+        encode_s = _best_seconds(encode_all, repeats)
+        decode_s = _best_seconds(decode_all, repeats)
         label = name + "".join(f" {k}={v}" for k, v in params.items())
+        payload_bytes = sum(len(b) for b in blobs)
         row: dict[str, Any] = {
             "codec": label,
+            "name": name,
+            "params": dict(params),
             "lossless": get_codec(name).lossless,
-            "payload_bytes": len(blob),
-            "ratio": raw_bytes / len(blob),
+            "payload_bytes": payload_bytes,
+            "ratio": raw_bytes / payload_bytes,
             "encode_gbps": raw_bytes / encode_s / 1e9,
             "decode_gbps": raw_bytes / decode_s / 1e9,
         }
         if row["lossless"]:
-            row["bitwise_equal"] = bool(torch.equal(out.view(torch.uint8), kv.view(torch.uint8)))
+            row["bitwise_equal"] = all(
+                torch.equal(out.view(torch.uint8), c.view(torch.uint8)) for out, c in zip(outs, chunks)
+            )
         else:
-            row.update(_errors(kv, out))
+            row.update(_errors(torch.cat(chunks, dim=2), torch.cat(outs, dim=2)))
         rows.append(row)
     baseline = rows[0]
     for row in rows:
@@ -173,6 +256,30 @@ def measure(kv: torch.Tensor, codecs: list[tuple[str, dict[str, Any]]], *, repea
         row["encode_vs_none"] = row["encode_gbps"] / baseline["encode_gbps"]
         row["decode_vs_none"] = row["decode_gbps"] / baseline["decode_gbps"]
     return rows
+
+
+def shuffle_gains(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the byte-plane shuffle buys: each ``X-shuffle`` row against plain ``X`` with the same params.
+
+    One entry per pair measured: the size ratio (plain payload / shuffled
+    payload, above 1 when the shuffle shrinks it) and the speed ratios.
+    """
+    by_key = {(row["name"], json.dumps(row["params"], sort_keys=True)): row for row in rows}
+    gains = []
+    for (name, params), shuffled in by_key.items():
+        plain = by_key.get((name.removesuffix("-shuffle"), params)) if name.endswith("-shuffle") else None
+        if plain is None:
+            continue
+        gains.append({
+            "plain": plain["codec"],
+            "shuffled": shuffled["codec"],
+            "plain_ratio": plain["ratio"],
+            "shuffled_ratio": shuffled["ratio"],
+            "size_gain": plain["payload_bytes"] / shuffled["payload_bytes"],
+            "encode_speed": shuffled["encode_gbps"] / plain["encode_gbps"],
+            "decode_speed": shuffled["decode_gbps"] / plain["decode_gbps"],
+        })
+    return gains
 
 
 def _parse_codecs(text: str) -> list[tuple[str, dict[str, Any]]]:
@@ -191,63 +298,101 @@ def _parse_codecs(text: str) -> list[tuple[str, dict[str, Any]]]:
     return result
 
 
+_DEFAULT_CODECS = ",".join(
+    codec_names() + ["zstd:level=1", "zstd-shuffle:level=1", "zstd:level=9", "zstd-shuffle:level=9",
+                     "fp8:group_size=64", "int8:group_size=32", "int4:group_size=32"]
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``flowkv bench codecs``."""
-    parser.add_argument("--kv-file", help="a torch.save'd tensor (num_layers, kv, num_tokens, num_kv_heads, head_size); default: synthetic KV")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--kv-file", help="a torch.save'd tensor (num_layers, kv, num_tokens, num_kv_heads, head_size)")
+    source.add_argument("--synthetic", action="store_true",
+                        help="synthetic KV instead of the demo model's KV for real text")
     parser.add_argument(
         "--codecs",
-        default=",".join(codec_names() + ["zstd:level=1", "int4:group_size=32"]),
-        help="comma-separated codecs, NAME or NAME:KEY=VALUE[:KEY=VALUE] (default: all, plus zstd level 1 and int4 group 32)",
+        default=None,
+        help="comma-separated codecs, NAME or NAME:KEY=VALUE[:KEY=VALUE] (default: all, plus zstd levels 1 "
+        "and 9, fp8 group 64, int8 and int4 group 32)",
     )
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="synthetic KV dtype (default bf16)")
-    parser.add_argument("--layers", type=int, default=8, help="synthetic: layers (default 8)")
-    parser.add_argument("--tokens", type=int, default=256, help="synthetic: tokens per chunk (default 256)")
-    parser.add_argument("--kv-heads", type=int, default=8, help="synthetic: KV heads (default 8)")
-    parser.add_argument("--head-size", type=int, default=128, help="synthetic: head size (default 128)")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per chunk (default 256)")
+    parser.add_argument("--documents", type=int, default=2, help="model KV: documents (default 2)")
+    parser.add_argument("--doc-tokens", type=int, default=1024, help="model KV: tokens per document (default 1024)")
+    parser.add_argument("--model-dir", help="model KV: where the demo model is built (default: the demo's folder)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), help="synthetic KV dtype (default bf16)")
+    parser.add_argument("--layers", type=int, help="synthetic: layers (default 8)")
+    parser.add_argument("--kv-heads", type=int, help="synthetic: KV heads (default 8)")
+    parser.add_argument("--head-size", type=int, help="synthetic: head size (default 128)")
     parser.add_argument("--mla", action="store_true", help="synthetic: kv=1 (MLA latent) instead of keys and values")
-    parser.add_argument("--seed", type=int, default=0, help="synthetic: random seed")
+    parser.add_argument("--seed", type=int, help="synthetic: random seed (default 0)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own choice)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; the best counts (default 5)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
+_SYNTHETIC_ONLY = ("dtype", "layers", "kv_heads", "head_size", "seed")
+
+
+def _input(args: argparse.Namespace) -> tuple[list[torch.Tensor], str]:
+    """The chunks to measure and a sentence saying where they came from."""
+    if args.kv_file:
+        return [load_kv_file(args.kv_file)], f"file {args.kv_file}"
+    synthetic = args.synthetic or args.mla or any(getattr(args, n) is not None for n in _SYNTHETIC_ONLY)
+    why = ""
+    if not synthetic:
+        try:
+            chunks = model_kv(args.model_dir, documents=args.documents, doc_tokens=args.doc_tokens,
+                              chunk_tokens=args.tokens)
+        except ImportError as exc:
+            why = f" (model KV unavailable: {exc})"
+        except (OSError, RuntimeError) as exc:
+            why = f" (model KV unavailable: {type(exc).__name__}: {exc})"
+        else:
+            return chunks, (
+                f"demo model KV (transformers, CPU) for {args.documents} standard-library source document(s) "
+                f"of {args.doc_tokens} tokens, {len(chunks)} chunk(s); random-weight model, not a trained one"
+            )
+    kv = synthetic_kv(
+        num_layers=args.layers or 8,
+        num_tokens=args.tokens,
+        num_kv_heads=args.kv_heads or 8,
+        head_size=args.head_size or 128,
+        kv=1 if args.mla else 2,
+        dtype=_DTYPES[args.dtype or "bf16"],
+        seed=args.seed or 0,
+    )
+    return [kv], "synthetic KV (RoPE keys with outlier channels, smooth values); real KV will differ" + why
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table (or JSON). Returns the exit status."""
     try:
-        codecs = _parse_codecs(args.codecs)
-        if args.kv_file:
-            kv = load_kv_file(args.kv_file)
-            source = f"file {args.kv_file}"
-        else:
-            kv = synthetic_kv(
-                num_layers=args.layers,
-                num_tokens=args.tokens,
-                num_kv_heads=args.kv_heads,
-                head_size=args.head_size,
-                kv=1 if args.mla else 2,
-                dtype=_DTYPES[args.dtype],
-                seed=args.seed,
-            )
-            source = "synthetic KV (RoPE keys with outlier channels, smooth values); real KV will differ"
+        codecs = _parse_codecs(args.codecs or _DEFAULT_CODECS)
+        chunks, source = _input(args)
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"flowkv bench codecs: {exc}", file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = measure(kv, codecs, repeats=args.repeats)
+    rows = measure(chunks, codecs, repeats=args.repeats)
+    first = chunks[0]
     info = {
         "source": source,
-        "shape": list(kv.shape),
-        "dtype": str(kv.dtype).removeprefix("torch."),
-        "raw_bytes": kv.numel() * kv.element_size(),
+        "shape": list(first.shape),
+        "chunks": len(chunks),
+        "dtype": str(first.dtype).removeprefix("torch."),
+        "raw_bytes": sum(c.numel() * c.element_size() for c in chunks),
         "torch_threads": torch.get_num_threads(),
         "codecs": rows,
+        "shuffle": shuffle_gains(rows),
     }
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
     print(f"input: {source}")
-    print(f"shape {tuple(kv.shape)} {info['dtype']}, {info['raw_bytes'] / 2**20:.1f} MiB, torch threads {info['torch_threads']}")
+    print(f"chunk shape {tuple(first.shape)} {info['dtype']} x {len(chunks)}, {info['raw_bytes'] / 2**20:.1f} MiB, "
+          f"torch threads {info['torch_threads']}")
     print("ratio = raw / payload; x none = against the none codec in this run; GB/s of raw KV bytes")
     header = f"{'codec':<34} {'ratio':>6} {'size x none':>11} {'enc GB/s':>9} {'x none':>7} {'dec GB/s':>9} {'x none':>7}  error"
     print(header)
@@ -266,5 +411,12 @@ def run(args: argparse.Namespace) -> int:
             f"{row['codec']:<34} {row['ratio']:>6.2f} {row['size_vs_none']:>11.3f} {row['encode_gbps']:>9.2f} "
             f"{row['encode_vs_none']:>7.3f} {row['decode_gbps']:>9.2f} {row['decode_vs_none']:>7.3f}  {error}"
         )
+    if info["shuffle"]:
+        print()
+        print("byte-plane shuffle (size gain = plain payload / shuffled payload; speeds = shuffled / plain):")
+        for gain in info["shuffle"]:
+            print(f"  {gain['shuffled']:<28} ratio {gain['plain_ratio']:.2f} -> {gain['shuffled_ratio']:.2f}  "
+                  f"size gain {gain['size_gain']:.2f}x  encode {gain['encode_speed']:.2f}x  "
+                  f"decode {gain['decode_speed']:.2f}x")
     failed = [row["codec"] for row in rows if row["lossless"] and not row["bitwise_equal"]]
     return 1 if failed else 0
