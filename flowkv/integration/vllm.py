@@ -100,6 +100,17 @@ Facts checked on vLLM 0.32.0 (CPU backend, 2 layers, 2 KV heads x 64, bf16):
   that policy after constructing the connector.
 - ``RequestOutput.num_cached_tokens`` counts tokens loaded by the connector
   (with prefix caching off, exactly those).
+- An abort reaches the scheduler (and ``request_finished``) after the front
+  end has already dropped the request: ``LLMEngine.has_unfinished_requests()``
+  can be False while the engine core has yet to release the request's pins.
+- The CPU platform turns async scheduling off, so a step's lookups, loads and
+  saves never overlap another step's: lookups find the worker idle.
+- ``get_kv_connector_stats`` is called after every step; with
+  ``disable_log_stats=False`` what it returns reaches ``LLM.get_metrics()``
+  through ``build_prom_metrics`` (``vllm:flowkv_*``).
+
+``kv_role``: ``kv_both`` loads and stores, ``kv_producer`` only stores,
+``kv_consumer`` only loads.
 """
 
 from __future__ import annotations
@@ -299,7 +310,7 @@ def worker_stats(vllm_config: VllmConfig, rank: int = 0, *, timeout_ms: int = 50
     """The flowkv engine statistics of one worker of a running vLLM instance.
 
     >>> llm = vllm.LLM(model=..., kv_transfer_config=...)          # doctest: +SKIP
-    >>> worker_stats(llm.llm_engine.vllm_config)["pins"]           # doctest: +SKIP
+    >>> worker_stats(llm.llm_engine.vllm_config)["tiers"]["memory"]["pinned_objects"]  # doctest: +SKIP
     0
     """
     return query_worker(worker_socket(vllm_config, rank), "stats", timeout_ms=timeout_ms)["stats"]
@@ -323,6 +334,8 @@ class FlowKVConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._save_decode = self._pipeline.vllm.save_decode
         self._partial_chunks = self._pipeline.section.save_partial_chunks
+        self._loads = self._kv_transfer_config.is_kv_consumer
+        self._saves = self._kv_transfer_config.is_kv_producer
         parallel = vllm_config.parallel_config
         self._world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         self._dp_rank = parallel.data_parallel_rank
@@ -375,7 +388,7 @@ class FlowKVConnector(KVConnectorBase_V1):
         num_tokens = request.num_tokens
         # The last token is always computed: its logits are the next token's.
         ceiling = _floor(num_tokens - 1, self._block_size)
-        if ceiling <= num_computed_tokens or request.prompt_token_ids is None:
+        if not self._loads or ceiling <= num_computed_tokens or request.prompt_token_ids is None:
             return 0, False
         # Only whole chunks can hit unless the pipeline stores partial ones.
         lookup_end = num_tokens if self._partial_chunks else _floor(num_tokens, self._chunk_size)
@@ -472,7 +485,7 @@ class FlowKVConnector(KVConnectorBase_V1):
                 state.stored_end = max(state.stored_end, _floor(end, self._chunk_size))
             computed_after_step = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             state.expected_computed = computed_after_step
-            if state.skip_save:
+            if state.skip_save or not self._saves:
                 continue
             known_tokens = state.request.num_tokens if self._save_decode else state.request.num_prompt_tokens
             store_end = _floor(min(computed_after_step, known_tokens), self._chunk_size)
