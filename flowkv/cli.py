@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         tracetools = None
     if tracetools is not None and hasattr(tracetools, "add_commands"):
         tracetools.add_commands(sub)
+    from flowkv import quality; quality.add_commands(sub)  # noqa: E702 - the one-line hook for `flowkv quality`
 
     demo = sub.add_parser("demo", help="the main job: vLLM with flowkv on a long-document QA workload")
     try:

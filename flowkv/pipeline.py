@@ -136,6 +136,21 @@ class VllmSpec:
 
 
 @attrs.frozen
+class QualitySpec:
+    """``[quality]``: the output quality a pipeline with lossy codecs must have shown.
+
+    With ``min_agreement`` set, the loader refuses the pipeline unless the
+    quality record at ``record`` (written by ``flowkv quality``; a path
+    relative to the pipeline file) measured every lossy codec of the store
+    list, with these parameters, at or above that greedy-token agreement.
+    Lossless-only pipelines pass without a record.
+    """
+
+    min_agreement: float | None = None  # 0..1, e.g. 0.95
+    record: str | None = None  # path to the quality record JSON
+
+
+@attrs.frozen
 class Pipeline:
     """A loaded, checked pipeline set."""
 
@@ -149,6 +164,7 @@ class Pipeline:
     layerwise: LayerwiseSpec
     telemetry: TelemetrySpec
     vllm: VllmSpec
+    quality: QualitySpec = QualitySpec()
 
     @property
     def chunk_size(self) -> int:
@@ -168,7 +184,7 @@ class Diagnostic:
     col: int
     message: str
     # syntax, unknown-key, missing-key, invalid-value, unknown-stage, unknown-tier,
-    # module-not-found, attribute-not-found, misuse, duplicate, graph
+    # module-not-found, attribute-not-found, misuse, duplicate, graph, quality
     kind: str
 
     def __str__(self) -> str:
@@ -223,6 +239,7 @@ _SECTIONS = {
     "layerwise": LayerwiseSpec,
     "telemetry": TelemetrySpec,
     "vllm": VllmSpec,
+    "quality": QualitySpec,
 }
 _SIZE_FIELDS = ("capacity", "max_bytes", "slab_size")
 
@@ -249,31 +266,35 @@ _converter = _make_converter()
 
 
 def load_pipeline(
-    source: str | Path, *, overrides: Mapping[str, Any] | None = None
+    source: str | Path, *, overrides: Mapping[str, Any] | None = None, check_quality: bool = True
 ) -> Pipeline:
     """Load and check a pipeline file (a built-in name or a path).
 
     ``overrides`` replaces settings by dotted path before checking, e.g.
     ``{"pipeline.chunk_size": 128, "tiers.memory.capacity": "1GiB"}``; a bare
     key (``chunk_size``) means one of ``[pipeline]``.
-    Raises ``PipelineError`` listing every problem.
+    Raises ``PipelineError`` listing every problem. ``check_quality=False``
+    skips the ``[quality]`` gate (``flowkv quality`` loads a pipeline to
+    write the record that gate reads).
     """
     path = resolve_source(source)
-    return loads_pipeline(path.read_text(encoding="utf-8"), file=str(path), overrides=overrides)
+    return loads_pipeline(path.read_text(encoding="utf-8"), file=str(path), overrides=overrides,
+                          check_quality=check_quality)
 
 
 def loads_pipeline(
-    text: str, *, file: str = "<string>", overrides: Mapping[str, Any] | None = None
+    text: str, *, file: str = "<string>", overrides: Mapping[str, Any] | None = None, check_quality: bool = True
 ) -> Pipeline:
     """Load and check a pipeline from TOML text."""
-    return _Loader(text, file, overrides or {}).load()
+    return _Loader(text, file, overrides or {}, check_quality=check_quality).load()
 
 
 class _Loader:
-    def __init__(self, text: str, file: str, overrides: Mapping[str, Any]) -> None:
+    def __init__(self, text: str, file: str, overrides: Mapping[str, Any], *, check_quality: bool = True) -> None:
         self.text = text
         self.file = file
         self.overrides = overrides
+        self.check_quality = check_quality
         self.diagnostics: list[Diagnostic] = []
         self.positions: dict[tuple[str | int, ...], tuple[int, int]] = {}
 
@@ -332,6 +353,7 @@ class _Loader:
         layerwise = self.structure_table(raw, "layerwise", LayerwiseSpec)
         telemetry = self.structure_table(raw, "telemetry", TelemetrySpec)
         vllm = self.structure_table(raw, "vllm", VllmSpec)
+        quality = self.structure_table(raw, "quality", QualitySpec)
         tiers = self.structure_tiers(raw.get("tiers", {}))
         lists: dict[str, tuple[StageSpec, ...]] = {}
         for kind in ("store", "retrieve", "lookup"):
@@ -345,7 +367,9 @@ class _Loader:
                 head.append(spec)
             lists["lookup"] = tuple(head)
         self.check(section, telemetry, tiers, lists, raw)
-        if section is None or layerwise is None or telemetry is None or vllm is None:
+        if quality is not None and quality.min_agreement is not None and self.check_quality:
+            self.check_quality_gate(quality, lists["store"])
+        if section is None or layerwise is None or telemetry is None or vllm is None or quality is None:
             return None
         return Pipeline(
             name=section.name,
@@ -358,7 +382,16 @@ class _Loader:
             layerwise=layerwise,
             telemetry=telemetry,
             vllm=vllm,
+            quality=quality,
         )
+
+    def check_quality_gate(self, quality: QualitySpec, store: tuple[StageSpec, ...]) -> None:
+        from flowkv.quality import check_gate
+
+        base_dir = Path(self.file).parent if self.file != "<string>" else Path.cwd()
+        for problem in check_gate(store, min_agreement=quality.min_agreement, record=quality.record,
+                                  base_dir=base_dir):
+            self.error(("quality", "min_agreement"), problem, "quality")
 
     def structure_table(self, raw: dict[str, Any], key: str, cls: type) -> Any:
         table = raw.get(key, {})

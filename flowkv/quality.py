@@ -1,0 +1,482 @@
+"""``flowkv quality``: what a pipeline's codecs do to a model's output, and the gate that uses it.
+
+A lossy codec (``fp8``, ``int8``, ``int4``) changes the KV that a warm
+request loads, so it can change what the model says. ``flowkv quality
+PIPELINE`` measures that with the real vLLM: a fixed prompt set (Python
+standard-library sources of ``--prompt-tokens`` tokens, each followed by a
+question) is generated greedily with no KV loaded (the reference), stored
+through each codec of the pipeline's ``compress`` stages, and generated
+again so that the whole cached prefix is loaded through that codec. For each
+codec it reports:
+
+- **agreement**: the fraction of generated tokens (``--max-tokens`` per
+  prompt, position by position) equal to the reference's;
+- **max logprob diff**: the largest difference in the log-probability of the
+  reference's token, over the positions where both generations still share
+  their context (up to and including the first differing token).
+
+It writes a quality record (JSON) with the model, the codecs and their
+parameters, the figures, the prompt set and the date. A pipeline file can
+then require a minimum::
+
+    [quality]
+    min_agreement = 0.95
+    record = "quality/cpu-disk-int8.json"   # relative to the pipeline file
+
+and the loader refuses the pipeline (at the ``min_agreement`` line) when a
+lossy codec of its store list has no measurement in the record, the record
+measured other codecs or parameters, or the recorded agreement is below the
+minimum. Pipelines whose codecs are all lossless need no record. A record
+holds for the model it was measured on: produce it with ``--model`` set to
+the model you serve.
+
+    flowkv quality pipelines/cpu-disk-int8.toml --model /models/my-llama --out quality/cpu-disk-int8.json
+
+The measurement runs every codec in one vLLM: the requests of each codec
+carry a cache-key tag that selects it (stage ``quality-compress``, the same
+`flowkv.payload.encode` the ``compress`` stage calls), the memory tier holds
+the encoded payloads, and the pipeline's real ``decompress`` stage decodes
+them on the way back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from flowkv import payload as payloads
+from flowkv.codecs import get_codec
+from flowkv.items import Chunk, RunContext
+from flowkv.registry import stage
+
+__all__ = [
+    "RECORD_FORMAT",
+    "add_commands",
+    "check_gate",
+    "codec_settings",
+    "load_record",
+    "measure",
+    "quality_compress",
+]
+
+#: Version of the quality record's JSON layout.
+RECORD_FORMAT = 1
+# The request tag that picks a codec in a measurement run.
+_CODEC_TAG = "quality_codec"
+
+
+# -- the codecs a pipeline uses ---------------------------------------------------
+
+
+def _canonical(codec: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """Every parameter of `codec`, defaults filled in, as the payload header stores them."""
+    impl = get_codec(codec)
+    return impl.params_to_header(impl.resolve_params(**dict(params)))
+
+
+def codec_settings(store_stages: Sequence[Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(codec, full parameters) of each ``compress`` stage of a store list, in order, without repeats.
+
+    `store_stages` are the loader's ``StageSpec``s. Stage settings other than
+    ``codec`` that are set (``level``) are the codec's parameters.
+    """
+    found: list[tuple[str, dict[str, Any]]] = []
+    for spec in store_stages:
+        if spec.name != "compress":
+            continue
+        settings = dict(spec.settings())
+        codec = settings.pop("codec", "none")
+        params = {k: v for k, v in settings.items() if v is not None}
+        entry = (codec, _canonical(codec, params))
+        if entry not in found:
+            found.append(entry)
+    return found
+
+
+def _describe(codec: str, params: Mapping[str, Any]) -> str:
+    return codec + ("" if not params else " " + json.dumps(dict(params), sort_keys=True))
+
+
+# -- the record and the gate ----------------------------------------------------
+
+
+def load_record(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a quality record; ValueError saying what is wrong with it."""
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"cannot read quality record {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"quality record {path} is not JSON: {exc}") from None
+    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT or not isinstance(record.get("codecs"), list):
+        raise ValueError(f"{path} is not a flowkv quality record (format {RECORD_FORMAT}, with a 'codecs' list)")
+    for entry in record["codecs"]:
+        if not (isinstance(entry, dict) and isinstance(entry.get("codec"), str)
+                and isinstance(entry.get("params"), dict) and isinstance(entry.get("agreement"), (int, float))):
+            raise ValueError(f"quality record {path}: a codecs entry lacks codec, params or agreement: {entry!r}")
+    return record
+
+
+def check_gate(
+    store_stages: Sequence[Any],
+    *,
+    min_agreement: float,
+    record: str | None,
+    base_dir: Path,
+) -> list[str]:
+    """Why a pipeline with these store stages fails ``[quality] min_agreement``; empty when it passes.
+
+    Only lossy codecs are gated. `record` is resolved against `base_dir`
+    (the pipeline file's folder) unless absolute; ``~`` is expanded.
+    """
+    if not 0.0 <= min_agreement <= 1.0:
+        return [f"[quality] min_agreement must be between 0 and 1, got {min_agreement}"]
+    try:
+        lossy = [(c, p) for c, p in codec_settings(store_stages) if not get_codec(c).lossless]
+    except ValueError:
+        return []  # an unknown codec or parameter: the compress stage reports it when it runs
+    if not lossy:
+        return []
+    names = ", ".join(_describe(c, p) for c, p in lossy)
+    if record is None:
+        return [f"[quality] min_agreement needs a measurement of lossy codec(s) {names}: set "
+                f"record = \"PATH\" to a record written by 'flowkv quality PIPELINE --out PATH'"]
+    path = Path(record).expanduser()
+    if not path.is_absolute():
+        path = base_dir / path
+    if not path.exists():
+        return [f"[quality] no quality record at {path} for lossy codec(s) {names}: "
+                f"write it with 'flowkv quality PIPELINE --out {path}'"]
+    try:
+        data = load_record(path)
+    except ValueError as exc:
+        return [f"[quality] {exc}"]
+    measured = {(e["codec"], json.dumps(e["params"], sort_keys=True)): e for e in data["codecs"]}
+    problems = []
+    for codec, params in lossy:
+        entry = measured.get((codec, json.dumps(params, sort_keys=True)))
+        if entry is None:
+            have = ", ".join(_describe(e["codec"], e["params"]) for e in data["codecs"]) or "nothing"
+            problems.append(f"[quality] record {path} has no measurement of {_describe(codec, params)} "
+                            f"(it measured: {have}); run 'flowkv quality' on this pipeline again")
+        elif entry["agreement"] < min_agreement:
+            problems.append(
+                f"[quality] {_describe(codec, params)} agreed with the uncompressed model on "
+                f"{entry['agreement']:.1%} of greedy tokens (record {path}, model {data.get('model', '?')}), "
+                f"below min_agreement {min_agreement:.1%}"
+            )
+    return problems
+
+
+# -- the measurement stage ----------------------------------------------------------
+
+
+@stage("quality-compress", kinds=("store",), needs={"kv"}, gives={"payload"})
+def quality_compress(chunks: Iterator[Chunk], *, ctx: RunContext, codecs: list[str] | None = None) -> Iterator[Chunk]:
+    """Encode each chunk with the codec its request's ``quality_codec`` tag picks (an index into ``codecs``).
+
+    Each entry of ``codecs`` is a JSON object ``{"codec": NAME, "params": {...}}``.
+    Requests without the tag are stored raw. Used by ``flowkv quality`` to
+    measure several codecs in one vLLM; the encoding is `flowkv.payload.encode`,
+    as in the ``compress`` stage.
+
+    TOML::
+
+        [[store.stages]]
+        use = "flowkv.quality:quality_compress"
+        codecs = ['{"codec": "int8", "params": {}}']
+    """
+    plans = []
+    for text in codecs or []:
+        entry = json.loads(text)
+        get_codec(entry["codec"]).resolve_params(**entry.get("params", {}))  # fail on the first run, not per chunk
+        plans.append((entry["codec"], entry.get("params", {})))
+    for chunk in chunks:
+        choice = chunk.request.tags.get(_CODEC_TAG)
+        if choice is not None:
+            codec, params = plans[int(choice)]
+            chunk.payload = payloads.encode(chunk.kv, codec, **params)
+            ctx.record(bytes=len(chunk.payload))
+        yield chunk
+
+
+# -- measuring ---------------------------------------------------------------------
+
+
+def _measurement_pipeline(folder: Path, chunk_size: int, codecs: list[tuple[str, dict[str, Any]]],
+                          capacity: int) -> Path:
+    entries = ", ".join(json.dumps(json.dumps({"codec": c, "params": p}, sort_keys=True)) for c, p in codecs)
+    path = folder / "quality-measurement.toml"
+    path.write_text(f"""
+[pipeline]
+name = "quality-measurement"
+chunk_size = {chunk_size}
+
+[tiers.memory]
+kind = "memory"
+capacity = {capacity}
+
+[[store.stages]]
+use = "tokenize"
+[[store.stages]]
+use = "chunk-hash"
+[[store.stages]]
+use = "allocate"
+[[store.stages]]
+use = "gather"
+[[store.stages]]
+use = "flowkv.quality:quality_compress"
+codecs = [{entries}]
+[[store.stages]]
+use = "put"
+
+[[retrieve.stages]]
+use = "tokenize"
+[[retrieve.stages]]
+use = "chunk-hash"
+[[retrieve.stages]]
+use = "lookup"
+[[retrieve.stages]]
+use = "get"
+[[retrieve.stages]]
+use = "decompress"
+[[retrieve.stages]]
+use = "scatter"
+""", encoding="utf-8")
+    return path
+
+
+def _kv_bytes_per_token(model: Path) -> int:
+    config = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return config["num_hidden_layers"] * 2 * heads * head_dim * 2  # bf16 keys and values
+
+
+def _model_digest(model: Path) -> str:
+    """sha256 of the model's config.json: tells records of different models apart."""
+    return hashlib.sha256((model / "config.json").read_bytes()).hexdigest()
+
+
+def prompt_set(tokenizer: Any, count: int, prompt_tokens: int) -> list[list[int]]:
+    """The fixed prompts: standard-library source documents, each followed by one of the demo's questions."""
+    from flowkv.demo import QUESTIONS, documents
+
+    questions = [tokenizer.encode(q, add_special_tokens=False) for q in QUESTIONS]
+    return [doc + questions[i % len(questions)] for i, doc in enumerate(documents(tokenizer, count, prompt_tokens))]
+
+
+def _compare(reference: Any, candidate: Any) -> dict[str, Any]:
+    """Agreement and log-probability differences of one prompt's generation against the reference."""
+    ref_tokens = list(reference.token_ids)
+    new_tokens = list(candidate.token_ids)
+    equal = sum(a == b for a, b in zip(ref_tokens, new_tokens))
+    diffs = []
+    for position, token in enumerate(ref_tokens):
+        ref_lp = reference.logprobs[position].get(token)
+        new_lp = candidate.logprobs[position].get(token) if position < len(candidate.logprobs) else None
+        if ref_lp is not None and new_lp is not None:
+            diffs.append(abs(ref_lp.logprob - new_lp.logprob))
+        if position >= len(new_tokens) or new_tokens[position] != token:
+            break  # past here the two generations have different contexts
+    first_diff = next((i for i, (a, b) in enumerate(zip(ref_tokens, new_tokens)) if a != b), None)
+    return {"equal": equal, "total": len(ref_tokens), "logprob_diffs": diffs, "first_difference": first_diff}
+
+
+def measure(
+    pipeline: Any,
+    *,
+    model: Path,
+    prompts: int = 8,
+    prompt_tokens: int = 1024,
+    max_tokens: int = 16,
+    logprobs: int = 5,
+    codecs: list[tuple[str, dict[str, Any]]] | None = None,
+) -> dict[str, Any]:
+    """Run the quality measurement for a loaded pipeline on `model`; returns the quality record.
+
+    `codecs` defaults to the codecs of the pipeline's ``compress`` stages
+    (``none`` if it has none). Starts one vLLM (CPU or whatever vLLM finds).
+    """
+    from flowkv.demo import build_llm, flowkv_config, setup_environment, shutdown
+
+    user_kv_space = "VLLM_CPU_KVCACHE_SPACE" in os.environ
+    setup_environment()
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    codecs = codecs or codec_settings(pipeline.store) or [("none", {})]
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    prompt_ids = prompt_set(tokenizer, prompts, prompt_tokens)
+    longest = max(len(p) for p in prompt_ids)
+    max_model_len = 128 * math.ceil((longest + max_tokens + 1) / 128)
+    per_token = _kv_bytes_per_token(model)
+    # vLLM's pool: every prompt of a batch at once; flowkv's: every prompt once per codec, raw slabs.
+    pool_bytes = 2 * len(prompt_ids) * max_model_len * per_token
+    tier_bytes = 2 * len(codecs) * len(prompt_ids) * (longest + pipeline.chunk_size) * per_token
+    if not user_kv_space:
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # else it overrides kv_cache_memory_bytes
+
+    def params(tag: int | None, tokens: int) -> Any:
+        transfer = {f"flowkv.tag.{_CODEC_TAG}": str(tag)} if tag is not None else {"flowkv.skip_save": True}
+        extra = {"kv_transfer_params": transfer}
+        return SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs,
+                              extra_args=extra)
+
+    batch = [{"prompt_token_ids": ids} for ids in prompt_ids]
+    with tempfile.TemporaryDirectory(prefix="flowkv-quality-") as tmp:
+        config = flowkv_config(str(_measurement_pipeline(Path(tmp), pipeline.chunk_size, codecs, tier_bytes)))
+        llm = build_llm(model, kv_transfer_config=config, max_model_len=max_model_len,
+                        kv_cache_memory_bytes=None if user_kv_space else pool_bytes)
+        try:
+            # Nothing is cached yet and these requests store nothing: vLLM computes every token.
+            reference = llm.generate(batch, params(None, max_tokens), use_tqdm=False)
+            if any(out.num_cached_tokens for out in reference):
+                raise RuntimeError("the reference run loaded cached KV; it must compute every token")
+            results = []
+            for index, (codec, codec_params) in enumerate(codecs):
+                llm.generate(batch, params(index, 1), use_tqdm=False)  # computes, and stores through the codec
+                warm = llm.generate(batch, params(index, max_tokens), use_tqdm=False)
+                served = [int(out.num_cached_tokens or 0) for out in warm]
+                if not all(served):
+                    raise RuntimeError(f"codec {codec}: {served.count(0)} warm request(s) loaded nothing; "
+                                       f"the measurement needs every prompt served from the cache")
+                compared = [_compare(ref.outputs[0], new.outputs[0]) for ref, new in zip(reference, warm)]
+                equal = sum(c["equal"] for c in compared)
+                total = sum(c["total"] for c in compared)
+                diffs = [d for c in compared for d in c["logprob_diffs"]]
+                results.append({
+                    "codec": codec,
+                    "params": codec_params,
+                    "lossless": get_codec(codec).lossless,
+                    "agreement": equal / total,
+                    "max_logprob_diff": max(diffs) if diffs else None,
+                    "prompts_identical": sum(c["equal"] == c["total"] for c in compared),
+                    "first_differences": [c["first_difference"] for c in compared],
+                    "tokens_compared": total,
+                    "tokens_loaded": sum(served),
+                })
+        finally:
+            shutdown(llm)
+    import vllm
+
+    return {
+        "format": RECORD_FORMAT,
+        "model": str(model),
+        "model_config_sha256": _model_digest(model),
+        "pipeline": pipeline.name,
+        "pipeline_source": pipeline.source,
+        "codecs": results,
+        "agreement": min(r["agreement"] for r in results),
+        "max_logprob_diff": max((r["max_logprob_diff"] or 0.0) for r in results),
+        "prompts": {
+            "count": len(prompt_ids),
+            "source": "Python standard-library sources (sorted by file name) + the demo's questions",
+            "document_tokens": prompt_tokens,
+            "max_tokens": max_tokens,
+            "sha256": hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest(),
+        },
+        "reference": "the same vLLM with no KV loaded (greedy, temperature 0)",
+        "vllm": getattr(vllm, "__version__", "?"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+# -- the command ----------------------------------------------------------------------
+
+
+def add_commands(subparsers: Any) -> None:
+    """Add ``flowkv quality`` to the CLI's subcommands."""
+    parser = subparsers.add_parser(
+        "quality", help="greedy-token agreement of a pipeline's codecs against no compression (real vLLM)",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    parser.add_argument("pipeline", help="built-in pipeline name or TOML path")
+    parser.add_argument("--json", action="store_true", help="print the quality record as JSON")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts in the fixed set (default 8)")
+    parser.add_argument("--prompt-tokens", type=int, default=1024, help="document tokens per prompt (default 1024)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="greedy tokens generated per prompt (default 16)")
+    parser.add_argument("--model", help="model folder (default: the demo model, built locally once)")
+    parser.add_argument("--codecs", help="measure these codecs instead of the pipeline's: NAME[:KEY=VALUE...],...")
+    parser.add_argument("--out", help="write the quality record here (default: the pipeline's [quality] record, if set)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``flowkv quality``: measure, print, write the record; 1 when below the pipeline's own minimum."""
+    from flowkv.pipeline import PipelineError, load_pipeline
+
+    if args.prompts <= 0 or args.prompt_tokens <= 0 or args.max_tokens <= 0:
+        print("flowkv quality: --prompts, --prompt-tokens and --max-tokens must be positive", file=sys.stderr)
+        return 2
+    try:
+        # The gate is what this command feeds: load without it, or a missing record stops us.
+        pipeline = load_pipeline(args.pipeline, check_quality=False)
+        codecs = None
+        if args.codecs:
+            from flowkv.bench.codecs import _parse_codecs
+
+            codecs = [(name, _canonical(name, params)) for name, params in _parse_codecs(args.codecs)]
+    except (PipelineError, FileNotFoundError, ValueError) as exc:
+        print(f"flowkv quality: {exc}", file=sys.stderr)
+        return 2
+    if args.model:
+        model = Path(args.model)
+        if not (model / "config.json").is_file():
+            print(f"flowkv quality: {model} is not a model folder (no config.json)", file=sys.stderr)
+            return 2
+    else:
+        from flowkv.demo import DEMO_MODEL, default_model_dir
+        from flowkv.testing import tiny_model
+
+        model = tiny_model(default_model_dir(), **DEMO_MODEL)
+    print(f"flowkv quality: {args.prompts} prompts on {model} through pipeline '{pipeline.name}'...", file=sys.stderr)
+    record = measure(pipeline, model=model, prompts=args.prompts, prompt_tokens=args.prompt_tokens,
+                     max_tokens=args.max_tokens, codecs=codecs)
+    out = args.out
+    if out is None and pipeline.quality.record:
+        out = str(_record_path(pipeline))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    minimum = pipeline.quality.min_agreement
+    if args.json:
+        print(json.dumps(record, indent=2))
+    else:
+        _print(record, out, minimum)
+    if minimum is not None and any(not r["lossless"] and r["agreement"] < minimum for r in record["codecs"]):
+        return 1
+    return 0
+
+
+def _record_path(pipeline: Any) -> Path:
+    path = Path(pipeline.quality.record).expanduser()
+    if not path.is_absolute() and pipeline.source != "<string>":
+        path = Path(pipeline.source).parent / path
+    return path
+
+
+def _print(record: dict[str, Any], out: str | None, minimum: float | None) -> None:
+    prompts = record["prompts"]
+    print(f"model {record['model']}; {prompts['count']} prompts of {prompts['document_tokens']} document tokens, "
+          f"{prompts['max_tokens']} greedy tokens each; reference: {record['reference']}")
+    header = f"{'codec':<40} {'agreement':>9} {'max |dlogprob|':>14} {'identical':>9} {'loaded tokens':>13}"
+    print(header)
+    print("-" * len(header))
+    for row in record["codecs"]:
+        diff = "-" if row["max_logprob_diff"] is None else f"{row['max_logprob_diff']:.4f}"
+        print(f"{_describe(row['codec'], row['params']):<40} {row['agreement']:>9.1%} {diff:>14} "
+              f"{row['prompts_identical']:>5}/{prompts['count']:<3} {row['tokens_loaded']:>13}")
+    if minimum is not None:
+        verdict = all(r["lossless"] or r["agreement"] >= minimum for r in record["codecs"])
+        print(f"[quality] min_agreement {minimum:.1%}: {'passes' if verdict else 'FAILS'}")
+    print(f"record: {out}" if out else "record not written (give --out FILE)")

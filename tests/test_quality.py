@@ -1,0 +1,244 @@
+"""The quality gate: a pipeline with lossy codecs loads only with a record that shows enough
+agreement; ``flowkv quality`` measures that agreement with the real vLLM; ``flowkv bench
+codecs`` measures codecs on KV a real model computed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from flowkv.pipeline import PipelineError, load_pipeline
+
+
+def pipeline_text(codec: str = "int8", *, quality: str = "", level: int | None = None,
+                  second_codec: str | None = None) -> str:
+    """A memory + disk pipeline with one compress stage (optionally a second, for the disk)."""
+    level_line = f"level = {level}\n" if level is not None else ""
+    second = (f'[[store.stages]]\nuse = "compress"\ncodec = "{second_codec}"\n'
+              f'[[store.stages]]\nuse = "put"\ntiers = ["disk"]\n') if second_codec else ""
+    return f"""[pipeline]
+name = "gated"
+
+[tiers.memory]
+kind = "memory"
+capacity = "64MiB"
+
+[tiers.disk]
+kind = "disk"
+path = "disk"
+capacity = "64MiB"
+
+[[store.stages]]
+use = "tokenize"
+[[store.stages]]
+use = "chunk-hash"
+[[store.stages]]
+use = "allocate"
+[[store.stages]]
+use = "gather"
+[[store.stages]]
+use = "compress"
+codec = "{codec}"
+{level_line}[[store.stages]]
+use = "put"
+tiers = ["memory"]
+{second}
+[[retrieve.stages]]
+use = "tokenize"
+[[retrieve.stages]]
+use = "chunk-hash"
+[[retrieve.stages]]
+use = "lookup"
+[[retrieve.stages]]
+use = "get"
+[[retrieve.stages]]
+use = "decompress"
+[[retrieve.stages]]
+use = "scatter"
+{quality}"""
+
+
+def record(entries: list[tuple[str, dict, float]], model: str = "tiny") -> dict:
+    """A quality record as ``flowkv quality`` writes it (only the fields the gate reads are real)."""
+    return {
+        "format": 1,
+        "model": model,
+        "codecs": [{"codec": c, "params": p, "lossless": False, "agreement": a, "max_logprob_diff": 0.1}
+                   for c, p, a in entries],
+        "agreement": min(a for _, _, a in entries),
+    }
+
+
+INT8_PARAMS = {"group_size": 0, "key_group_size": 0}
+
+
+def write(folder: Path, text: str, rec: dict | None = None) -> Path:
+    path = folder / "gated.toml"
+    path.write_text(text, encoding="utf-8")
+    if rec is not None:
+        (folder / "quality.json").write_text(json.dumps(rec), encoding="utf-8")
+    return path
+
+
+def gate_error(path: Path) -> str:
+    """The single gate diagnostic of a refused pipeline, checked to point at min_agreement."""
+    with pytest.raises(PipelineError) as caught:
+        load_pipeline(path)
+    [diag] = caught.value.diagnostics
+    line = path.read_text().splitlines()[diag.line - 1]
+    assert diag.kind == "quality" and line.startswith("min_agreement"), (diag, line)
+    assert str(diag).startswith(f"{path}:{diag.line}:{diag.col}: [quality]")
+    return diag.message
+
+
+GATE = '\n[quality]\nmin_agreement = 0.9\nrecord = "quality.json"\n'
+
+
+def test_gate_passes_with_a_record_at_or_above_the_minimum(tmp_path):
+    path = write(tmp_path, pipeline_text(quality=GATE), record([("int8", INT8_PARAMS, 0.9)]))
+    pipeline = load_pipeline(path)
+    assert pipeline.quality.min_agreement == 0.9 and pipeline.quality.record == "quality.json"
+
+
+def test_gate_refuses_a_record_below_the_minimum(tmp_path):
+    path = write(tmp_path, pipeline_text(quality=GATE), record([("int8", INT8_PARAMS, 0.875)], model="m1"))
+    message = gate_error(path)
+    assert "87.5%" in message and "below min_agreement 90.0%" in message and "model m1" in message
+
+
+def test_gate_refuses_a_missing_record(tmp_path):
+    message = gate_error(write(tmp_path, pipeline_text(quality=GATE)))
+    assert f"no quality record at {tmp_path / 'quality.json'}" in message and "flowkv quality" in message
+
+
+def test_gate_refuses_min_agreement_without_a_record_path(tmp_path):
+    message = gate_error(write(tmp_path, pipeline_text(quality="\n[quality]\nmin_agreement = 0.9\n")))
+    assert "set record" in message and "int8" in message
+
+
+def test_gate_refuses_a_record_of_another_codec_or_other_params(tmp_path):
+    path = write(tmp_path, pipeline_text(quality=GATE), record([("int4", INT8_PARAMS, 1.0)]))
+    message = gate_error(path)
+    assert 'no measurement of int8 {"group_size": 0, "key_group_size": 0}' in message and "measured: int4" in message
+    write(tmp_path, pipeline_text(quality=GATE), record([("int8", {"group_size": 32, "key_group_size": 0}, 1.0)]))
+    assert "no measurement of int8" in gate_error(path)
+
+
+def test_gate_checks_every_lossy_codec_of_a_tiered_pipeline(tmp_path):
+    # raw in memory, int8 then int4 for the disk: the int4 measurement is what fails
+    text = pipeline_text("int8", second_codec="int4", quality=GATE)
+    path = write(tmp_path, text, record([("int8", INT8_PARAMS, 0.99), ("int4", INT8_PARAMS, 0.5)]))
+    message = gate_error(path)
+    assert message.startswith("[quality] int4") and "50.0%" in message
+
+
+def test_gate_refuses_a_file_that_is_not_a_record(tmp_path):
+    path = write(tmp_path, pipeline_text(quality=GATE))
+    (tmp_path / "quality.json").write_text('{"agreement": 1.0}')
+    assert "is not a flowkv quality record" in gate_error(path)
+    (tmp_path / "quality.json").write_text("not json")
+    assert "is not JSON" in gate_error(path)
+
+
+def test_lossless_pipelines_need_no_record(tmp_path):
+    pipeline = load_pipeline(write(tmp_path, pipeline_text("zstd-shuffle", level=1, quality=GATE)))
+    assert pipeline.quality.min_agreement == 0.9
+
+
+def test_min_agreement_must_be_a_fraction(tmp_path):
+    path = write(tmp_path, pipeline_text(quality='\n[quality]\nmin_agreement = 95\nrecord = "q.json"\n'))
+    assert "between 0 and 1" in gate_error(path)
+    path.write_text(pipeline_text(quality='\n[quality]\nmin_agreemnt = 0.9\n'))
+    with pytest.raises(PipelineError, match="did you mean 'min_agreement'"):
+        load_pipeline(path)
+
+
+def test_gate_can_be_skipped_to_write_the_record(tmp_path):
+    path = write(tmp_path, pipeline_text(quality=GATE))
+    assert load_pipeline(path, check_quality=False).quality.record == "quality.json"
+
+
+def test_shipped_tiered_pipeline_is_raw_in_memory_and_int8_on_disk():
+    from flowkv.quality import codec_settings
+
+    pipeline = load_pipeline("cpu-disk-int8")
+    assert codec_settings(pipeline.store) == [("int8", INT8_PARAMS)]
+    puts = [s.settings()["tiers"] for s in pipeline.store if s.name == "put"]
+    assert puts == [["memory"], ["disk"]]
+
+
+# -- the real measurements --------------------------------------------------------------
+
+
+def _quality(argv: list[str]) -> int:
+    from flowkv import quality
+
+    parser = argparse.ArgumentParser()
+    quality.add_commands(parser.add_subparsers())
+    args = parser.parse_args(["quality", *argv])
+    return args.func(args)
+
+
+def test_quality_run_with_vllm_measures_int4_below_int8_and_the_gate_uses_it(tmp_path, capsys):
+    """One vLLM on the tiny test model: int8 stays with the uncompressed model, int4 drifts,
+    and the record written by the run lets the pipeline load at one minimum and not another."""
+    from vllm_helpers import tiny_model_dir
+
+    path = write(tmp_path, pipeline_text("int8", second_codec="int4",
+                                         quality='\n[quality]\nmin_agreement = 0.5\nrecord = "quality.json"\n'))
+    status = _quality([str(path), "--model", str(tiny_model_dir()), "--prompts", "4", "--prompt-tokens", "512",
+                       "--max-tokens", "16", "--json"])
+    rec = json.loads(capsys.readouterr().out)
+    assert json.loads((tmp_path / "quality.json").read_text()) == rec  # the pipeline's record path
+    rows = {row["codec"]: row for row in rec["codecs"]}
+    assert list(rows) == ["int8", "int4"] and rows["int8"]["params"] == INT8_PARAMS
+    assert rec["prompts"]["count"] == 4 and rec["model"] == str(tiny_model_dir())
+    for row in rows.values():
+        assert row["tokens_compared"] == 4 * 16
+        assert row["tokens_loaded"] >= 4 * 512  # every prompt's document came back through the codec
+    print(f"int8 agreement {rows['int8']['agreement']:.3f} max dlogprob {rows['int8']['max_logprob_diff']:.4f}; "
+          f"int4 agreement {rows['int4']['agreement']:.3f} max dlogprob {rows['int4']['max_logprob_diff']:.4f}")
+    assert rows["int8"]["max_logprob_diff"] < rows["int4"]["max_logprob_diff"]
+    assert rows["int8"]["agreement"] >= rows["int4"]["agreement"]
+    assert rows["int8"]["agreement"] >= 0.9
+    worst = min(rows["int8"]["agreement"], rows["int4"]["agreement"])
+    assert status == (0 if worst >= 0.5 else 1)
+
+    # The gate reads what was measured: a minimum above int4's figure refuses the pipeline.
+    text = path.read_text()
+    strict = min(1.0, worst + 0.01)
+    path.write_text(text.replace("min_agreement = 0.5", f"min_agreement = {strict}"))
+    if worst < 1.0:
+        assert "below min_agreement" in gate_error(path)
+    path.write_text(text.replace("min_agreement = 0.5", f"min_agreement = {worst}"))
+    assert load_pipeline(path).quality.min_agreement == worst
+
+
+def _demo_model_dir() -> Path:
+    import os
+
+    return Path(os.environ.get("FLOWKV_TEST_CACHE", Path.home() / ".cache" / "flowkv" / "test-models")) / "demo-llama"
+
+
+def test_bench_codecs_measures_the_demo_models_kv(capsys):
+    """Default input is KV the demo model computed for real text, cut into chunks; lossless codecs stay bitwise."""
+    from flowkv.bench import codecs as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--json", "--repeats", "1", "--documents", "1", "--doc-tokens", "300",
+                              "--tokens", "128", "--codecs", "lz4,lz4-shuffle,int8",
+                              "--model-dir", str(_demo_model_dir())])
+    assert bench.run(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["source"].startswith("demo model KV")
+    assert report["chunks"] == 3 and report["shape"] == [4, 2, 128, 4, 64]  # 300 tokens: 128 + 128 + 44
+    rows = {row["codec"]: row for row in report["codecs"]}
+    assert rows["lz4"]["bitwise_equal"] and rows["lz4-shuffle"]["bitwise_equal"]
+    assert 0 < rows["int8"]["rel_l2_err"] < 0.02
+    [gain] = report["shuffle"]
+    assert gain["plain"] == "lz4" and gain["size_gain"] == pytest.approx(
+        rows["lz4"]["payload_bytes"] / rows["lz4-shuffle"]["payload_bytes"])
