@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import itertools
 import logging
 import threading
 import time
@@ -91,7 +90,6 @@ class CacheEngine:
         self._failures = 0
         self._unhealthy_until = 0.0
         self._closed = False
-        self._ids = itertools.count()
 
         self.tier_names = list(pipeline.tiers)
         memory_specs = [t for t in pipeline.tiers.values() if t.kind == "memory"]

@@ -565,6 +565,12 @@ class _Loader:
             self.error(("telemetry", "exporter"),
                        "exporter 'otlp' needs an endpoint (e.g. endpoint = \"http://localhost:4317\")",
                        "missing-key")
+        memory_tiers = [name for name, spec in tiers.items() if spec.kind == "memory"]
+        if tiers and len(memory_tiers) != 1:
+            where = ("tiers", memory_tiers[1]) if memory_tiers else ("tiers",)
+            self.error(where, f"declare exactly one tier of kind 'memory' (found {len(memory_tiers)}"
+                       f"{': ' + ', '.join(memory_tiers) if memory_tiers else ''}): store stages chunks there",
+                       "graph")
         if "tiers" in raw and not raw["tiers"]:
             self.error(("tiers",), "declare at least one tier", "missing-key")
         for kind, specs in lists.items():
