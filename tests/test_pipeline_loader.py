@@ -428,6 +428,8 @@ def test_unknown_key_in_disk_tier_lists_its_own_and_guard_keys_apart():
         capacity = "1GiB"
         timeout_s = 0.5
         fsynk = true
+
+        [tiers.memory]
         """
     )
     at(d, 5)
@@ -618,3 +620,30 @@ def test_resolve_source_missing_path(tmp_path):
         resolve_source(tmp_path / "absent.toml")
     with pytest.raises(FileNotFoundError, match="pipeline file not found"):
         resolve_source("some/dir/absent")
+
+
+def test_tiers_without_a_memory_tier():
+    d = only(
+        """
+        [tiers.disk]
+        kind = "disk"
+        path = "/tmp/flowkv-never-created"
+        capacity = "1GiB"
+        """
+    )
+    assert d.kind == "graph"
+    assert "exactly one tier of kind 'memory' (found 0)" in d.message
+
+
+def test_two_memory_tiers_point_at_the_second():
+    d = only(
+        """
+        [tiers.fast]
+        kind = "memory"
+
+        [tiers.more]
+        kind = "memory"
+        """
+    )
+    at(d, 4)
+    assert "found 2: fast, more" in d.message
