@@ -304,8 +304,9 @@ def measure(
 ) -> dict[str, Any]:
     """Run the quality measurement for a loaded pipeline on `model`; returns the quality record.
 
-    `codecs` defaults to the codecs of the pipeline's ``compress`` stages
-    (``none`` if it has none). Starts one vLLM (CPU or whatever vLLM finds).
+    `codecs` defaults to the codecs of the pipeline's ``compress`` stages;
+    ``none`` is always measured first, as the control that shows what
+    loading exact KV changes. Starts one vLLM (CPU or whatever vLLM finds).
     """
     from flowkv.demo import build_llm, flowkv_config, setup_environment, shutdown
 
@@ -314,7 +315,9 @@ def measure(
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    codecs = codecs or codec_settings(pipeline.store) or [("none", {})]
+    codecs = codecs or codec_settings(pipeline.store)
+    # The ``none`` control: what loading exact KV does (prefill numerics), apart from any codec.
+    codecs = [("none", {})] + [entry for entry in codecs if entry != ("none", {})]
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     prompt_ids = prompt_set(tokenizer, prompts, prompt_tokens)
     longest = max(len(p) for p in prompt_ids)
@@ -376,6 +379,7 @@ def measure(
         "pipeline": pipeline.name,
         "pipeline_source": pipeline.source,
         "codecs": results,
+        # Over the codecs measured, the control included.
         "agreement": min(r["agreement"] for r in results),
         "max_logprob_diff": max((r["max_logprob_diff"] or 0.0) for r in results),
         "prompts": {

@@ -194,14 +194,15 @@ def test_quality_run_with_vllm_measures_int4_below_int8_and_the_gate_uses_it(tmp
     rec = json.loads(capsys.readouterr().out)
     assert json.loads((tmp_path / "quality.json").read_text()) == rec  # the pipeline's record path
     rows = {row["codec"]: row for row in rec["codecs"]}
-    assert list(rows) == ["int8", "int4"] and rows["int8"]["params"] == INT8_PARAMS
+    assert list(rows) == ["none", "int8", "int4"] and rows["int8"]["params"] == INT8_PARAMS
+    assert rows["none"]["agreement"] == 1.0  # the control: exact KV loaded changes no greedy token
     assert rec["prompts"]["count"] == 4 and rec["model"] == str(tiny_model_dir())
     for row in rows.values():
         assert row["tokens_compared"] == 4 * 16
         assert row["tokens_loaded"] >= 4 * 512  # every prompt's document came back through the codec
     print(f"int8 agreement {rows['int8']['agreement']:.3f} max dlogprob {rows['int8']['max_logprob_diff']:.4f}; "
           f"int4 agreement {rows['int4']['agreement']:.3f} max dlogprob {rows['int4']['max_logprob_diff']:.4f}")
-    assert rows["int8"]["max_logprob_diff"] < rows["int4"]["max_logprob_diff"]
+    assert rows["none"]["max_logprob_diff"] < rows["int8"]["max_logprob_diff"] < rows["int4"]["max_logprob_diff"]
     assert rows["int8"]["agreement"] >= rows["int4"]["agreement"]
     assert rows["int8"]["agreement"] >= 0.9
     worst = min(rows["int8"]["agreement"], rows["int4"]["agreement"])

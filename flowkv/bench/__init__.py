@@ -9,5 +9,6 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "engine": ("flowkv.bench.engine", "store/retrieve throughput against a plain copy; hashing; lookup"),
     "tiers": ("flowkv.bench.tiers", "put/get throughput per tier against raw copy, file and redis-py"),
     "codecs": ("flowkv.bench.codecs", "compression ratio, speed and error per codec"),
+    "capacity": ("flowkv.bench.capacity", "documents a fixed disk holds and warm TTFT from disk: raw, lossless, lossy"),
     "ttft": ("flowkv.bench.ttft", "vLLM time to first token: no cache, flowkv, ExampleConnector"),
 }
