@@ -243,3 +243,57 @@ def test_bench_codecs_measures_the_demo_models_kv(capsys):
     [gain] = report["shuffle"]
     assert gain["plain"] == "lz4" and gain["size_gain"] == pytest.approx(
         rows["lz4"]["payload_bytes"] / rows["lz4-shuffle"]["payload_bytes"])
+
+
+def test_cpu_disk_int8_serves_exact_kv_from_memory_and_int8_kv_from_disk(tmp_path):
+    """Through the engine: a memory hit is bit-exact; once memory lost the chunks, the disk
+    copy is an int8 payload and what it loads is within int8's stated bound, not exact."""
+    import time
+
+    import torch
+
+    from flowkv import CacheEngine, payload
+    from flowkv._testing.paged import make_paged_kv, random_slot_mapping
+    from flowkv.codecs import get_codec
+    from flowkv.items import Request
+    from flowkv.kernels import KVGeometry, gather
+    from flowkv.tiers.disk import key_digest
+
+    geometry = KVGeometry("cpu", num_layers=2, num_kv_heads=2, head_size=16, block_size=16, dtype=torch.bfloat16)
+    engine = CacheEngine.from_pipeline("cpu-disk-int8", geometry=geometry, model_name="tiny", overrides={
+        "chunk_size": 64, "tiers.memory.capacity": "8MiB", "tiers.disk.path": str(tmp_path / "disk"),
+        "tiers.disk.timeout_s": 10.0})
+    try:
+        tokens = torch.randint(0, 32000, (128,), generator=torch.Generator().manual_seed(0))
+        src = make_paged_kv(geometry, 32, seed=1)
+        slots = random_slot_mapping(128, geometry, 32, seed=2)
+
+        def region(kv_caches):
+            return gather(kv_caches, geometry, slots, torch.empty(geometry.chunk_shape(128), dtype=geometry.dtype))
+
+        assert engine.store(tokens, kv_caches=src, slot_mapping=slots) == 128
+        assert engine.flush(30.0)
+        keys = [k.to_str() for k in engine.chunk_keys(Request(tokens=tokens))]
+        files = [tmp_path / "disk" / key_digest(k)[:2] / f"{key_digest(k)}.kv" for k in keys]
+        assert [payload.read_header(f.read_bytes()).codec for f in files] == ["int8", "int8"]
+
+        dst = make_paged_kv(geometry, 32, seed=0, fill=False)
+        assert bool(engine.retrieve(tokens, kv_caches=dst, slot_mapping=slots).all())
+        assert torch.equal(region(dst).view(torch.int16), region(src).view(torch.int16))  # memory: exact
+
+        for key in keys:
+            assert engine.memory.remove(key)
+        dst = make_paged_kv(geometry, 32, seed=0, fill=False)
+        deadline = time.monotonic() + 30
+        while not bool(engine.retrieve(tokens, kv_caches=dst, slot_mapping=slots).all()):
+            assert time.monotonic() < deadline, "the disk copy never came back"
+        exact, loaded = region(src), region(dst)
+        assert not torch.equal(loaded, exact)  # disk: int8, lossy
+        codec = get_codec("int8")
+        params = codec.resolve_params()
+        for index, chunk in enumerate(exact.split(64, dim=2)):
+            bound = codec.max_error(chunk, params)
+            error = (loaded.split(64, dim=2)[index].double() - chunk.double()).abs()
+            assert bool((error <= bound).all())
+    finally:
+        engine.close()
