@@ -149,8 +149,8 @@ def check_gate(
         return [f"[quality] min_agreement must be between 0 and 1, got {min_agreement}"]
     try:
         lossy = [(c, p) for c, p in codec_settings(store_stages) if not get_codec(c).lossless]
-    except ValueError:
-        return []  # an unknown codec or parameter: the compress stage reports it when it runs
+    except ValueError as exc:  # an unknown codec or parameter: nothing to look up in a record
+        return [f"[quality] cannot gate this pipeline's codecs: {exc}"]
     if not lossy:
         return []
     names = ", ".join(_describe(c, p) for c, p in lossy)

@@ -143,6 +143,11 @@ def test_gate_refuses_a_file_that_is_not_a_record(tmp_path):
     assert "is not JSON" in gate_error(path)
 
 
+def test_gate_refuses_codec_settings_it_cannot_look_up(tmp_path):
+    message = gate_error(write(tmp_path, pipeline_text("int8", level=3, quality=GATE)))
+    assert "cannot gate" in message and "no parameter 'level'" in message
+
+
 def test_lossless_pipelines_need_no_record(tmp_path):
     pipeline = load_pipeline(write(tmp_path, pipeline_text("zstd-shuffle", level=1, quality=GATE)))
     assert pipeline.quality.min_agreement == 0.9
