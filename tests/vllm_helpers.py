@@ -136,8 +136,11 @@ def stats(llm) -> dict[str, Any]:
     return worker_stats(llm.llm_engine.vllm_config)
 
 
-def pipeline_file(folder: Path, *, name: str, extra_tables: str = "", retrieve_before_get: str = "") -> Path:
-    """Write a local-cpu-like pipeline file; optionally insert a retrieve stage before ``get``."""
+def pipeline_file(
+    folder: Path, *, name: str, extra_tables: str = "", retrieve_before_get: str = "",
+    retrieve_before_scatter: str = "",
+) -> Path:
+    """Write a local-cpu-like pipeline file; optionally insert retrieve stages before ``get`` or ``scatter``."""
     path = folder / f"{name}.toml"
     path.write_text(
         f"""
@@ -174,6 +177,7 @@ use = "lookup"
 use = "get"
 [[retrieve.stages]]
 use = "decompress"
+{retrieve_before_scatter}
 [[retrieve.stages]]
 use = "scatter"
 """,
@@ -202,4 +206,31 @@ def evict_chunk(chunks: Iterator[Chunk], *, ctx) -> Iterator[Chunk]:
         target = chunk.request.tags.get(EVICT_TAG)
         if target is not None and chunk.index == int(target) and chunk.key_str is not None:
             ctx.engine.memory.remove(chunk.key_str)
+        yield chunk
+
+
+DROP_LAYER_TAG = "test_drop_layer"
+
+
+@stage("test-drop-layer", kinds=("retrieve",), needs={"kv"}, gives={"kv"}, per_layer=True)
+def drop_layer(chunks: Iterator[Chunk], *, ctx) -> Iterator[Chunk]:
+    """Keep one layer of one chunk from reaching ``scatter`` in a layerwise retrieve.
+
+    The request's ``test_drop_layer`` tag names ``"LAYER:CHUNK"``: that chunk
+    misses that layer, what a transfer failing after the forward pass began
+    looks like to the rest of the pipeline. Requests without the tag pass
+    untouched. Runs once per layer (``per_layer``), so it must sit inside
+    the per-layer block, before ``scatter``.
+
+    TOML::
+
+        [[retrieve.stages]]
+        use = "vllm_helpers:drop_layer"
+    """
+    for chunk in chunks:
+        target = chunk.request.tags.get(DROP_LAYER_TAG)
+        if target is not None:
+            layer, index = (int(part) for part in target.split(":"))
+            if ctx.layer == layer and chunk.index == index:
+                continue
         yield chunk

@@ -158,7 +158,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("flowkv.integration")
 
-__all__ = ["FlowKVConnector", "FlowKVMetadata", "ConnectorSettings", "worker_stats", "worker_socket"]
+__all__ = [
+    "ConnectorSettings",
+    "FlowKVConnector",
+    "FlowKVMetadata",
+    "flush_worker_traces",
+    "worker_socket",
+    "worker_stats",
+]
 
 DEFAULT_PIPELINE = "local-cpu"
 TAG_PREFIX = "flowkv.tag."
@@ -299,11 +306,104 @@ def _ceil(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def _loaded_to(load: LoadSpec, ret_mask: torch.Tensor) -> int:
+    """The end of the prefix of ``[start, end)`` that a retrieve's mask says landed."""
+    window = ret_mask[load.start:load.end]
+    return load.end if bool(window.all()) else load.start + int(torch.argmin(window.to(torch.int8)))
+
+
+# -- worker-side state of one step ----------------------------------------------
+
+
+@dataclass
+class _LayerwiseLoad:
+    """A load of this step whose layers land one by one."""
+
+    spec: LoadSpec
+    handle: Any  # flowkv.engine.LayerwiseRetrieve
+    # Where the load ends if every layer lands (the chunks the retrieve found).
+    expected_to: int
+    # Where it did end, once finished.
+    loaded_to: int | None = None
+
+
+@dataclass
+class _LayerwiseSave:
+    """A save of this step whose layers are copied out as the model computes them."""
+
+    spec: SaveSpec
+    handle: Any  # flowkv.engine.LayerwiseStore
+    # The load end the save was cut at when it started (None: not cut); a load
+    # that ends up shorter than this makes the save wrong.
+    cut_at: int | None
+
+
+class _StepTrace:
+    """One engine step's spans: a ``flowkv.step`` root and one ``flowkv.request`` per request under it.
+
+    Every run flowkv makes for a request in the step (its retrieve and store,
+    their stages, layers and waits) nests under that request's span, so a
+    trace viewer shows a step as one tree. Telemetry never breaks the data
+    path: span failures are swallowed.
+    """
+
+    def __init__(self, tracer: Any, index: int, meta: FlowKVMetadata, *, layerwise: bool) -> None:
+        from opentelemetry import trace
+
+        self._trace = trace
+        self._tracer = tracer
+        self._requests: dict[str, Any] = {}
+        self.span = tracer.start_span("flowkv.step", attributes={
+            "flowkv.step.index": index,
+            "flowkv.step.loads": len(meta.loads),
+            "flowkv.step.saves": len(meta.saves),
+            "flowkv.step.requests": len({spec.req_id for spec in (*meta.loads, *meta.saves)}),
+            "flowkv.layerwise": layerwise,
+        })
+
+    def request(self, req_id: str) -> Any:
+        span = self._requests.get(req_id)
+        if span is None:
+            span = self._tracer.start_span(
+                "flowkv.request", context=self._trace.set_span_in_context(self.span),
+                attributes={"flowkv.request_id": req_id},
+            )
+            self._requests[req_id] = span
+        return span
+
+    def active(self, req_id: str) -> Any:
+        """A context in which flowkv's runs for ``req_id`` nest under its request span."""
+        return self._trace.use_span(self.request(req_id), end_on_exit=False)
+
+    def annotate(self, req_id: str, attributes: dict[str, Any]) -> None:
+        try:
+            self.request(req_id).set_attributes(attributes)
+        except Exception:
+            logger.debug("flowkv: annotating the step trace failed", exc_info=True)
+
+    def end(self) -> None:
+        try:
+            for span in self._requests.values():
+                span.end()
+            self.span.end()
+        except Exception:
+            logger.debug("flowkv: ending the step trace failed", exc_info=True)
+
+
 def worker_socket(vllm_config: VllmConfig, rank: int = 0) -> Path:
     """The lookup socket of one worker of a running vLLM instance."""
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config if vllm_config.kv_transfer_config else {}
     ipc_dir = Path(extra["ipc_dir"]) if extra.get("ipc_dir") else default_ipc_dir()
     return socket_path(ipc_dir, vllm_config.instance_id, vllm_config.parallel_config.data_parallel_rank, rank)
+
+
+def flush_worker_traces(vllm_config: VllmConfig, rank: int = 0, *, timeout_ms: int = 10000) -> None:
+    """Make one worker of a running vLLM instance export every span it finished.
+
+    Trace files (``[telemetry] exporter = "file"``) are complete up to now
+    when this returns; for tools and tests that read them while vLLM runs.
+    """
+    query_worker(worker_socket(vllm_config, rank), "flush_traces", timeout_ms=timeout_ms)
 
 
 def worker_stats(vllm_config: VllmConfig, rank: int = 0, *, timeout_ms: int = 5000) -> dict[str, Any]:
@@ -356,6 +456,14 @@ class FlowKVConnector(KVConnectorBase_V1):
         # KV this step computes past that point is wrong and must not be stored.
         self._short_loads: dict[str, int] = {}
         self._stats_at_last_report: dict[str, Any] | None = None
+        # Layerwise: a layer's index is its position in register_kv_caches' dict.
+        self._layer_index: dict[str, int] = {}
+        self._unknown_layers: set[str] = set()
+        self._layer_loads: list[_LayerwiseLoad] = []
+        # None until the step's first save_kv_layer starts the saves.
+        self._layer_saves: list[_LayerwiseSave] | None = None
+        self._step: _StepTrace | None = None
+        self._step_seq = itertools.count()
 
         if role == KVConnectorRole.SCHEDULER:
             policy = self._kv_transfer_config.kv_load_failure_policy
@@ -534,6 +642,7 @@ class FlowKVConnector(KVConnectorBase_V1):
 
         spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self._kv_layers = list(kv_caches.values())
+        self._layer_index = {name: index for index, name in enumerate(kv_caches)}
         geometry = detect_layout(
             kv_caches,
             num_kv_heads=spec.num_kv_heads,
@@ -599,6 +708,11 @@ class FlowKVConnector(KVConnectorBase_V1):
         if op == "stats":
             with self._engine_lock:
                 return {"stats": self._engine.stats(), "healthy": bool(self._engine.is_healthy())}
+        if op == "flush_traces":
+            from flowkv import telemetry
+
+            telemetry.flush()
+            return {}
         if op == "ping":
             return {}
         raise ValueError(f"unknown flowkv IPC op {op!r}")
@@ -622,36 +736,99 @@ class FlowKVConnector(KVConnectorBase_V1):
         return mask
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Retrieve this step's loads into vLLM's pages, before the forward pass."""
+        """Retrieve this step's loads into vLLM's pages, before the forward pass.
+
+        Layerwise pipelines only start the loads here (find and read the
+        chunks); each layer lands on the transfer worker and the forward pass
+        waits for it in ``wait_for_layer_load``.
+        """
         meta = self._connector_metadata
         if not isinstance(meta, FlowKVMetadata) or not meta.loads:
             return
+        step = self._step_trace(meta)
         for load in meta.loads:
-            tokens = torch.tensor(load.token_ids, dtype=torch.int64)
+            if self._engine.layerwise:
+                self._start_layerwise_load(load, step)
+                continue
             loaded_to = load.start
             try:
-                slots = self._slot_mapping(load.block_ids, len(tokens), load.start, load.end)
-                with self._engine_lock:
+                tokens, slots, mask = self._load_inputs(load)
+                with self._engine_lock, step.active(load.req_id):
                     ret_mask = self._engine.retrieve(
-                        tokens, kv_caches=self._kv_layers, slot_mapping=slots,
-                        mask=self._chunk_mask(len(tokens), load.skip_prefix),
+                        tokens, kv_caches=self._kv_layers, slot_mapping=slots, mask=mask,
                         tags=load.tags or None, lookup_id=load.lookup_id, request_id=load.req_id,
                     )
-                window = ret_mask[load.start:load.end]
-                loaded_to = load.end if bool(window.all()) else load.start + int(torch.argmin(window.to(torch.int8)))
+                loaded_to = _loaded_to(load, ret_mask)
             except Exception:
                 logger.exception("flowkv: retrieve for request %s failed; vLLM recomputes it", load.req_id)
                 with self._engine_lock:
                     self._release_quietly(load.lookup_id)
-            if loaded_to < load.end:
-                self._short_loads[load.req_id] = loaded_to
-                first_bad_block = loaded_to // self._block_size
-                last_block = (load.end - 1) // self._block_size
-                self._load_error_blocks.update(load.block_ids[first_bad_block:last_block + 1])
-                logger.info(
-                    "flowkv: request %s loaded %d of %d tokens; vLLM recomputes the rest",
-                    load.req_id, loaded_to - load.start, load.end - load.start,
+            self._loaded(load, loaded_to, step)
+
+    def _load_inputs(self, load: LoadSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        tokens = torch.tensor(load.token_ids, dtype=torch.int64)
+        # Slots outside [start, end) are -1: vLLM holds those tokens, or computes them this step.
+        slots = self._slot_mapping(load.block_ids, len(tokens), load.start, load.end)
+        return tokens, slots, self._chunk_mask(len(tokens), load.skip_prefix)
+
+    def _start_layerwise_load(self, load: LoadSpec, step: _StepTrace) -> None:
+        try:
+            tokens, slots, mask = self._load_inputs(load)
+            with self._engine_lock, step.active(load.req_id):
+                handle = self._engine.retrieve_layerwise(
+                    tokens, kv_caches=self._kv_layers, slot_mapping=slots, mask=mask,
+                    tags=load.tags or None, lookup_id=load.lookup_id, request_id=load.req_id,
                 )
+        except Exception:
+            logger.exception("flowkv: retrieve for request %s failed; vLLM recomputes it", load.req_id)
+            with self._engine_lock:
+                self._release_quietly(load.lookup_id)
+            self._loaded(load, load.start, step)
+            return
+        # The head found and read its chunks: unless a layer fails, the load
+        # ends where the chunks it found stop being contiguous.
+        found_to = load.skip_prefix
+        for chunk in sorted(handle.chunks, key=lambda c: c.start):
+            if chunk.start != found_to:
+                break
+            found_to = chunk.end
+        self._layer_loads.append(_LayerwiseLoad(spec=load, handle=handle,
+                                                expected_to=min(max(found_to, load.start), load.end)))
+
+    def _finish_layerwise_loads(self) -> None:
+        """Masks of this step's layerwise loads; a short one becomes vLLM load errors."""
+        step = self._step
+        for pending in self._layer_loads:
+            if pending.loaded_to is not None:
+                continue
+            load = pending.spec
+            loaded_to = load.start
+            try:
+                with self._engine_lock:
+                    ret_mask = pending.handle.finish()
+                loaded_to = _loaded_to(load, ret_mask)
+            except Exception:
+                logger.exception("flowkv: retrieve for request %s failed; vLLM recomputes it", load.req_id)
+                with self._engine_lock:
+                    self._release_quietly(load.lookup_id)
+            pending.loaded_to = loaded_to
+            self._loaded(load, loaded_to, step)
+
+    def _loaded(self, load: LoadSpec, loaded_to: int, step: _StepTrace | None) -> None:
+        """Record how far a load got; vLLM recomputes the blocks past that."""
+        if step is not None:
+            step.annotate(load.req_id, {"flowkv.load.start": load.start, "flowkv.load.end": load.end,
+                                        "flowkv.hit_tokens": loaded_to - load.start})
+        if loaded_to >= load.end:
+            return
+        self._short_loads[load.req_id] = loaded_to
+        first_bad_block = loaded_to // self._block_size
+        last_block = (load.end - 1) // self._block_size
+        self._load_error_blocks.update(load.block_ids[first_bad_block:last_block + 1])
+        logger.info(
+            "flowkv: request %s loaded %d of %d tokens; vLLM recomputes the rest",
+            load.req_id, loaded_to - load.start, load.end - load.start,
+        )
 
     def _release_quietly(self, lookup_id: str | None) -> None:
         if lookup_id is None:
@@ -662,39 +839,156 @@ class FlowKVConnector(KVConnectorBase_V1):
             logger.exception("flowkv: releasing lookup %s failed", lookup_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads complete in ``start_load_kv``; nothing to wait for per layer."""
-        return
+        """Block until every load of this step has put ``layer_name``'s KV in place.
+
+        vLLM calls this on entry to each attention layer. Without layerwise,
+        loads completed in ``start_load_kv`` and there is nothing to wait for.
+        """
+        if not self._layer_loads:
+            return
+        layer = self._layer_of(layer_name)
+        if layer is None:
+            return
+        for pending in self._layer_loads:
+            if pending.loaded_to is not None:
+                continue
+            try:
+                pending.handle.wait(layer)
+            except Exception:
+                # The chunk misses that layer; finish() cuts the mask there.
+                logger.exception("flowkv: layer %d of request %s failed to load", layer, pending.spec.req_id)
+        if layer == len(self._kv_layers) - 1:
+            self._finish_layerwise_loads()
+
+    def _layer_of(self, layer_name: str) -> int | None:
+        layer = self._layer_index.get(layer_name)
+        if layer is None and layer_name not in self._unknown_layers:
+            self._unknown_layers.add(layer_name)
+            logger.warning("flowkv: vLLM named layer %r, which register_kv_caches did not; ignoring it", layer_name)
+        return layer
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        """Saves happen once per step in ``wait_for_save``."""
-        return
+        """Queue the copy of ``layer_name``'s KV for this step's saves (layerwise pipelines).
 
-    def wait_for_save(self):
-        """Store the chunks this step completed; they are in flowkv when this returns."""
+        vLLM calls this on exit from each attention layer, once the layer wrote
+        its KV; the copy runs on the transfer worker while the model goes on.
+        Without layerwise, saves happen once per step in ``wait_for_save``.
+        """
         meta = self._connector_metadata
-        short_loads, self._short_loads = self._short_loads, {}
-        if not isinstance(meta, FlowKVMetadata) or not meta.saves:
+        if not self._engine.layerwise or not isinstance(meta, FlowKVMetadata) or not meta.saves:
             return
-        for save in meta.saves:
-            token_ids = save.token_ids
-            if save.req_id in short_loads:
-                # Only KV before the first missing token is right; vLLM
-                # recomputes the rest and the scheduler asks again then.
-                token_ids = token_ids[:_floor(short_loads[save.req_id], self._chunk_size)]
-                if len(token_ids) <= save.skip_prefix:
-                    continue
-            tokens = torch.tensor(token_ids, dtype=torch.int64)
+        layer = self._layer_of(layer_name)
+        if layer is None:
+            return
+        if self._layer_saves is None:
+            self._start_layerwise_saves(meta)
+        for pending in self._layer_saves or ():
             try:
-                slots = self._slot_mapping(save.block_ids, len(tokens), 0, len(tokens))
                 with self._engine_lock:
-                    self._engine.store(
+                    pending.handle.layer_ready(layer)
+            except Exception:
+                logger.exception("flowkv: layer %d of request %s failed to store", layer, pending.spec.req_id)
+
+    def _start_layerwise_saves(self, meta: FlowKVMetadata) -> None:
+        step = self._step_trace(meta)
+        # A load already known short (a chunk gone at read time) cuts its
+        # request's save before any layer is copied.
+        expected = {pending.spec.req_id: pending.expected_to for pending in self._layer_loads
+                    if pending.expected_to < pending.spec.end}
+        expected.update(self._short_loads)
+        self._layer_saves = []
+        for save in meta.saves:
+            cut_at = expected.get(save.req_id)
+            token_ids = self._save_tokens(save, cut_at)
+            if token_ids is None:
+                continue
+            try:
+                tokens = torch.tensor(token_ids, dtype=torch.int64)
+                slots = self._slot_mapping(save.block_ids, len(tokens), 0, len(tokens))
+                with self._engine_lock, step.active(save.req_id):
+                    handle = self._engine.store_layerwise(
                         tokens, kv_caches=self._kv_layers, slot_mapping=slots,
                         mask=self._chunk_mask(len(tokens), save.skip_prefix),
                         tags=save.tags or None, request_id=save.req_id,
                     )
             except Exception:
+                logger.exception("flowkv: store for request %s failed", save.req_id)
+                continue
+            self._layer_saves.append(_LayerwiseSave(spec=save, handle=handle, cut_at=cut_at))
+
+    def _save_tokens(self, save: SaveSpec, loaded_to: int | None) -> list[int] | None:
+        """The tokens of ``save`` that are right to store, None when nothing new is left."""
+        token_ids = save.token_ids
+        if loaded_to is not None:
+            # Only KV before the first missing token is right; vLLM
+            # recomputes the rest and the scheduler asks again then.
+            token_ids = token_ids[:_floor(loaded_to, self._chunk_size)]
+            if len(token_ids) <= save.skip_prefix:
+                return None
+        return token_ids
+
+    def wait_for_save(self):
+        """Finish this step's loads and store the chunks it completed; they are in flowkv when this returns."""
+        try:
+            self._finish_layerwise_loads()
+            self._finish_saves()
+        finally:
+            if self._step is not None:
+                self._step.end()
+            self._step = None
+            self._layer_loads = []
+            self._layer_saves = None
+            self._short_loads = {}
+
+    def _finish_saves(self) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, FlowKVMetadata) or not meta.saves:
+            return
+        short_loads = self._short_loads
+        step = self._step_trace(meta)
+        started = {pending.spec.req_id: pending for pending in self._layer_saves or ()}
+        for pending in started.values():
+            save = pending.spec
+            loaded_to = short_loads.get(save.req_id)
+            try:
+                with self._engine_lock:
+                    if loaded_to is not None and (pending.cut_at is None or loaded_to < pending.cut_at):
+                        # A layer failed to load after the copies began: what the
+                        # model computed past it is wrong. vLLM rolls the request
+                        # back and the scheduler asks for the store again.
+                        pending.handle.abort()
+                        continue
+                    stored = pending.handle.finish()
+                step.annotate(save.req_id, {"flowkv.stored_tokens": stored})
+            except Exception:
+                logger.exception("flowkv: store for request %s failed", save.req_id)
+        if self._layer_saves is not None:
+            # Layerwise copies started for this step; saves they skipped had nothing to store.
+            return
+        for save in meta.saves:
+            token_ids = self._save_tokens(save, short_loads.get(save.req_id))
+            if token_ids is None:
+                continue
+            tokens = torch.tensor(token_ids, dtype=torch.int64)
+            try:
+                slots = self._slot_mapping(save.block_ids, len(tokens), 0, len(tokens))
+                with self._engine_lock, step.active(save.req_id):
+                    stored = self._engine.store(
+                        tokens, kv_caches=self._kv_layers, slot_mapping=slots,
+                        mask=self._chunk_mask(len(tokens), save.skip_prefix),
+                        tags=save.tags or None, request_id=save.req_id,
+                    )
+                step.annotate(save.req_id, {"flowkv.stored_tokens": stored})
+            except Exception:
                 # A store that fails is a later miss; inference goes on.
                 logger.exception("flowkv: store for request %s failed", save.req_id)
+
+    def _step_trace(self, meta: FlowKVMetadata) -> _StepTrace:
+        """This step's trace root, opened by the first hook of the step that has work."""
+        if self._step is None:
+            self._step = _StepTrace(self._engine.tracer, next(self._step_seq), meta,
+                                    layerwise=bool(self._engine.layerwise))
+        return self._step
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Loads and saves are synchronous: nothing is ever pending."""
@@ -743,7 +1037,7 @@ class FlowKVConnector(KVConnectorBase_V1):
         return FlowKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self):
-        """Stop serving lookups and close the engine."""
+        """Stop serving lookups, close the engine, write out its traces."""
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -751,6 +1045,9 @@ class FlowKVConnector(KVConnectorBase_V1):
             with self._engine_lock:
                 self._engine.close()
             self._engine = None
+            from flowkv import telemetry
+
+            telemetry.flush()
         if self._lookup_client is not None:
             self._lookup_client.close()
             self._lookup_client = None
