@@ -58,6 +58,26 @@ How it fits vLLM
       build_connector_meta ──FlowKVMetadata──▶    start_load_kv: retrieve into pages
       request_finished ───IPC release────▶        wait_for_save: store full chunks
 
+Layerwise (``[layerwise] enabled = true``, or ``"layerwise.enabled": true`` in
+the extra config): ``start_load_kv`` runs each load's retrieve up to the
+per-layer stages and queues every layer's scatter on the transfer worker;
+``wait_for_layer_load(layer)`` (vLLM calls it on entry to each attention
+layer) blocks until that layer landed for every load of the step. The first
+``save_kv_layer`` starts the step's stores, and each ``save_kv_layer(layer)``
+queues that layer's gather while the model computes the next layer;
+``wait_for_save`` finishes the loads (masks, load-error blocks: vLLM reads
+them right after it) and then the stores. A layer that fails to land is
+known only after the forward pass used it: the load is cut there, vLLM
+recomputes from that block, and the request's store of that step is dropped
+(the scheduler asks for it again after the rollback). A layer's index is its
+position in ``register_kv_caches``' dict.
+
+Traces: each engine step with flowkv work is one ``flowkv.step`` span, with
+one ``flowkv.request`` span per request under it (``flowkv.request_id``,
+``flowkv.load.start``/``flowkv.load.end``, ``flowkv.hit_tokens`` loaded,
+``flowkv.stored_tokens``); the request's retrieve and store runs, their
+stages, layers and ``flowkv.wait`` spans nest under it.
+
 Facts checked on vLLM 0.32.0 (CPU backend, 2 layers, 2 KV heads x 64, bf16):
 
 - The worker connector is built (and ``register_kv_caches`` called) before the
@@ -88,6 +108,14 @@ Facts checked on vLLM 0.32.0 (CPU backend, 2 layers, 2 KV heads x 64, bf16):
   is a dict per layer, or None on the empty step that reports finished ids.
 - ``save_kv_layer`` gets the layer's paged tensor and a
   ``CPUAttentionMetadata`` (``slot_mapping`` int64 of this step's tokens).
+  It and ``wait_for_layer_load`` come from the decorator around the
+  attention op, with the layer name; both are skipped while no connector
+  metadata is bound (profiling runs).
+- ``get_block_ids_with_load_errors`` is read after ``wait_for_save`` (and
+  after ``start_load_kv`` when that runs after the forward): loads may finish
+  as late as ``wait_for_save``. A request reported there is skipped in that
+  step's output and rescheduled from the first bad block, so a layer that
+  failed during the forward costs a recompute, not a wrong token.
   ``wait_for_save`` runs once per step after the forward pass, metadata still
   bound.
 - ``request_finished(request, block_ids)`` runs for finished and aborted
