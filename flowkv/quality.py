@@ -330,8 +330,8 @@ def measure(
     longest = max(len(p) for p in prompt_ids)
     max_model_len = 128 * math.ceil((longest + max_tokens + 1) / 128)
     per_token = _kv_bytes_per_token(model)
-    # vLLM's pool: every prompt of a batch at once; flowkv's: every prompt once per codec, raw slabs.
-    pool_bytes = 2 * len(prompt_ids) * max_model_len * per_token
+    # vLLM's pool: one prompt at a time; flowkv's: every prompt once per codec, raw slabs.
+    pool_bytes = max(64 << 20, 4 * max_model_len * per_token)
     tier_bytes = 2 * len(codecs) * len(prompt_ids) * (longest + pipeline.chunk_size) * per_token
     if not user_kv_space:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # else it overrides kv_cache_memory_bytes
@@ -343,20 +343,26 @@ def measure(
                               extra_args=extra)
 
     batch = [{"prompt_token_ids": ids} for ids in prompt_ids]
+
+    def generate(sampling: Any) -> list[Any]:
+        # One prompt at a time: a batch's shape changes the arithmetic (and with loads
+        # landing at different steps, from run to run), which would blur the codec's effect.
+        return [llm.generate([prompt], sampling, use_tqdm=False)[0] for prompt in batch]
+
     with tempfile.TemporaryDirectory(prefix="flowkv-quality-") as tmp:
         config = flowkv_config(str(_measurement_pipeline(Path(tmp), pipeline.chunk_size, codecs, tier_bytes)))
         llm = build_llm(model, kv_transfer_config=config, max_model_len=max_model_len,
                         kv_cache_memory_bytes=None if user_kv_space else pool_bytes)
         try:
             # Nothing is cached yet and these requests store nothing: vLLM computes every token.
-            reference = llm.generate(batch, params(None, max_tokens), use_tqdm=False)
+            reference = generate(params(None, max_tokens))
             if any(out.num_cached_tokens for out in reference):
                 raise RuntimeError("the reference run loaded cached KV; it must compute every token")
             results = []
             control = None
             for index, (codec, codec_params) in enumerate(codecs):
-                llm.generate(batch, params(index, 1), use_tqdm=False)  # computes, and stores through the codec
-                warm = llm.generate(batch, params(index, max_tokens), use_tqdm=False)
+                generate(params(index, 1))  # computes, and stores through the codec
+                warm = generate(params(index, max_tokens))
                 served = [int(out.num_cached_tokens or 0) for out in warm]
                 if not all(served):
                     raise RuntimeError(f"codec {codec}: {served.count(0)} warm request(s) loaded nothing; "

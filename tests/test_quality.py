@@ -302,3 +302,11 @@ def test_cpu_disk_int8_serves_exact_kv_from_memory_and_int8_kv_from_disk(tmp_pat
             assert bool((error <= bound).all())
     finally:
         engine.close()
+
+
+def test_shipped_lossless_tiered_pipeline_loads_under_any_gate():
+    """cpu-disk-zstd: raw memory, zstd-shuffle on disk; lossless, so a gate needs no record."""
+    from flowkv.quality import codec_settings
+
+    pipeline = load_pipeline("cpu-disk-zstd", overrides={"quality.min_agreement": 1.0})
+    assert codec_settings(pipeline.store) == [("zstd-shuffle", {"level": 1})]

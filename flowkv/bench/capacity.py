@@ -15,8 +15,10 @@ question (cold: vLLM computes the prefill, flowkv stores it on disk; the disk
 evicts the least recently used documents when full), then each is asked a
 second question without storing anything: a document counts as held when its
 whole text comes back from disk. Before each of these warm requests the
-disk tier's files are dropped from the OS page cache (``posix_fadvise``
-DONTNEED; ``--page-cache keep`` leaves them), so a hit reads the device.
+disk tier's files are written back and dropped from the OS page cache
+(``fsync`` + ``posix_fadvise`` DONTNEED; ``--page-cache keep`` leaves them),
+so a hit reads the device. Each warm request runs ``--repeats`` times and
+the fastest counts; a cold request's TTFT is its only run.
 The table gives, per codec: payload bytes per document, documents held,
 mean TTFT of the cold requests (the baseline, same run) and of the warm
 requests served from disk, and their ratio.
@@ -55,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk (default 256)")
     parser.add_argument("--page-cache", choices=("drop", "keep"), default="drop",
                         help="drop the disk tier's files from the OS page cache before each warm request (default)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="warm requests per document; the fastest counts (default 3)")
     parser.add_argument("--disk-path", help="folder for the disk tiers (default: a temporary folder)")
     parser.add_argument("--model-dir", default=str(default_model_dir()), help="the benchmark model folder")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -128,6 +132,8 @@ def drop_page_cache(folder: Path) -> int:
         except OSError:
             continue  # evicted between the listing and the open
         try:
+            # Pages not yet written back are dirty and would stay cached: write them first.
+            os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             count += 1
         finally:
@@ -171,11 +177,14 @@ def _one_codec(model: Path, docs: list[list[int]], questions: list[list[int]], *
                                  extra_args={"kv_transfer_params": {"flowkv.skip_save": True}})
         warm = []
         for doc in docs:
-            if args.page_cache == "drop":
-                drop_page_cache(disk_path)
-            started = time.perf_counter()
-            [out] = llm.generate([{"prompt_token_ids": doc + questions[1]}], no_save, use_tqdm=False)
-            warm.append((time.perf_counter() - started, int(out.num_cached_tokens or 0)))
+            best, served = float("inf"), 0
+            for _ in range(args.repeats):  # the best of a few: other load on the machine only adds time
+                if args.page_cache == "drop":
+                    drop_page_cache(disk_path)
+                started = time.perf_counter()
+                [out] = llm.generate([{"prompt_token_ids": doc + questions[1]}], no_save, use_tqdm=False)
+                best, served = min(best, time.perf_counter() - started), int(out.num_cached_tokens or 0)
+            warm.append((best, served))
     finally:
         shutdown(llm)
     disk = stats["tiers"]["disk"]
@@ -211,8 +220,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         codecs = _parse_codecs(args.codecs)
         disk_capacity = parse_size(args.disk_capacity)
-        if args.documents <= 0 or args.doc_tokens < args.chunk_size or args.chunk_size <= 0:
-            raise ValueError("--documents must be positive and --doc-tokens at least --chunk-size")
+        if args.documents <= 0 or args.repeats <= 0 or args.chunk_size <= 0 or args.doc_tokens < args.chunk_size:
+            raise ValueError("--documents and --repeats must be positive and --doc-tokens at least --chunk-size")
     except ValueError as exc:
         print(f"flowkv bench capacity: {exc}", file=sys.stderr)
         return 2
