@@ -763,6 +763,23 @@ class FlowKVConnector(KVConnectorBase_V1):
         mask[:skip_prefix] = True
         return mask
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Take this step's loads and saves; a step with any opens its ``flowkv.step`` span.
+
+        vLLM binds the metadata before the forward pass, so the span covers
+        the whole step whichever hook does flowkv's work.
+        """
+        super().bind_connector_metadata(connector_metadata)
+        if self._step is not None:  # a step that never reached wait_for_save
+            self._step.end()
+            self._step = None
+        if (
+            self._engine is not None
+            and isinstance(connector_metadata, FlowKVMetadata)
+            and (connector_metadata.loads or connector_metadata.saves)
+        ):
+            self._step_trace(connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Retrieve this step's loads into vLLM's pages, before the forward pass.
 
