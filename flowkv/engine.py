@@ -741,6 +741,7 @@ class _LayerwiseRun:
         self.engine = engine
         self.request = request
         self.kind = kind
+        self.started = time.perf_counter()  # a layerwise call lasts from its start to finish()
         self.num_layers = engine.geometry.num_layers
         self.ctx = RunContext(kind=kind, request=request, engine=engine)
         self.chunks: list[Chunk] = []
@@ -839,6 +840,7 @@ class LayerwiseRetrieve(_LayerwiseRun):
             if self.request.lookup_id is not None:
                 self.engine.release(self.request.lookup_id)
             self.engine._retrieved(self.request)
+            self.engine._observe("retrieve", self.started)
         return self.request.ret_mask
 
 
@@ -887,6 +889,7 @@ class LayerwiseStore(_LayerwiseRun):
         self.close()
         stored = sum(c.num_tokens for c in items if isinstance(c, Chunk))
         self.engine._stored(stored)
+        self.engine._observe("store", self.started)
         return stored
 
     def abort(self) -> None:

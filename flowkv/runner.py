@@ -284,6 +284,8 @@ class _Step:
                     span.set_attribute(f"flowkv.{key}", state.attributes[key])
             span.set_attribute("flowkv.items_in", upstream.items_out if upstream else 0)
             span.set_attribute("flowkv.items_out", self.items_out)
+            if "chunks" not in state.recorded:  # stages pass chunks: what came out is the count
+                span.set_attribute("flowkv.chunks", self.items_out)
             own = self.total_ns - (upstream.total_ns if upstream else 0)
             span.set_attribute("flowkv.own_time_ns", max(own, 0))
             for key, value in state.recorded.items():

@@ -57,6 +57,7 @@ def allocate(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
             return
         ctx.defer(obj.ref_down)
         chunk.obj = obj
+        ctx.record(bytes=obj.nbytes, tier=engine.memory_name)
         yield chunk
 
 

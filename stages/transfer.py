@@ -29,7 +29,7 @@ def gather(chunks: Iterator[Chunk], *, ctx: RunContext, impl: str | None = None)
                        out, layers=layers, impl=impl)
         chunk.kv = chunk.obj.tensor
         chunk.layers_done += 1 if layers else engine.geometry.num_layers
-        ctx.record(bytes=out.nbytes)
+        ctx.record(bytes=out.nbytes, tier=engine.memory_name)
         yield chunk
 
 
@@ -60,5 +60,5 @@ def scatter(chunks: Iterator[Chunk], *, ctx: RunContext, impl: str | None = None
             request.ret_mask[chunk.start:chunk.end] = True
         else:  # the engine marks ret_mask once every layer of the chunk is in
             chunk.layers_done += 1
-        ctx.record(bytes=kv.nbytes, hit_tokens=chunk.num_tokens if layers is None else 0)
+        ctx.record(bytes=kv.nbytes, hit_tokens=chunk.num_tokens, tier=chunk.tier)
         yield chunk
