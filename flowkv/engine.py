@@ -44,6 +44,7 @@ from flowkv.keys import (
     get_hash_function,
 )
 from flowkv.kernels import KVGeometry
+from flowkv.layerwise import LayerwiseRetrieve, LayerwiseStore
 from flowkv.memory import MemoryArena, MemoryObj, MemoryTier
 from flowkv.pipeline import Pipeline, load_pipeline
 from flowkv.runner import Runner, StageError
@@ -109,11 +110,12 @@ class CacheEngine:
             )
         )
         self.slow: dict[str, Any] = {}
-        self._write_behind: dict[str, _WriteBehind] = {}
+        self._write_behind: dict[str, WriteBehind] = {}
         for name, tier_spec in pipeline.tiers.items():
             if tier_spec.kind == "memory":
                 continue
             from flowkv.tiers import GuardedTier
+            from flowkv.tiers.writebehind import WriteBehind
 
             config = tier_spec.config
             if world_size > 1 and isinstance(getattr(config, "path", None), str):
@@ -127,7 +129,7 @@ class CacheEngine:
                 backoff_max_s=tier_spec.guard.backoff_max_s,
             )
             self.slow[name] = guarded
-            self._write_behind[name] = _WriteBehind(guarded, tier_spec.guard.write_queue, self)
+            self._write_behind[name] = WriteBehind(guarded, tier_spec.guard.write_queue)
         self._tier_timeout_s = {n: s.guard.timeout_s for n, s in pipeline.tiers.items()}
 
         self.tracer = telemetry.tracer_for(pipeline.telemetry)
@@ -732,236 +734,6 @@ class CacheEngine:
             self._failures = 0
             log.error("flowkv: %d failed runs in a row; skipping work for %.0f s",
                       _FAILURES_BEFORE_UNHEALTHY, _UNHEALTHY_FOR_S)
-
-
-class _LayerwiseRun:
-    """What a layerwise store and retrieve share: the request span, the worker, the device stream."""
-
-    def __init__(self, engine: CacheEngine, request: Request, kind: str) -> None:
-        self.engine = engine
-        self.request = request
-        self.kind = kind
-        self.started = time.perf_counter()  # a layerwise call lasts from its start to finish()
-        self.num_layers = engine.geometry.num_layers
-        self.ctx = RunContext(kind=kind, request=request, engine=engine)
-        self.chunks: list[Chunk] = []
-        self.futures: dict[int, concurrent.futures.Future[Any]] = {}
-        self.finished = False
-        self.span = engine.tracer.start_span(f"flowkv.{kind}.layerwise")
-        if request.request_id is not None:
-            self.span.set_attribute("flowkv.request_id", request.request_id)
-        device = request.kv_caches[0].device if request.kv_caches else torch.device("cpu")
-        # On CUDA, per-layer copies run on a side stream ordered by events; on CPU the
-        # worker thread alone gives the overlap (torch kernels release the GIL).
-        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-        self.events: dict[int, Any] = {}
-
-    def submit(self, layer: int, ready_event: Any = None) -> None:
-        self.futures[layer] = self.engine.layer_worker().submit(self._run_layer, layer, ready_event)
-
-    def _run_layer(self, layer: int, ready_event: Any) -> None:
-        ctx = RunContext(kind=self.kind, request=self.request, engine=self.engine, layer=layer)
-        runner = self.engine.segments[(self.kind, "layer")]
-        if self.stream is None:
-            self.engine._run_with(runner, self.chunks, ctx, parent=self.span)
-            return
-        with torch.cuda.stream(self.stream):
-            if ready_event is not None:
-                self.stream.wait_event(ready_event)
-            self.engine._run_with(runner, self.chunks, ctx, parent=self.span)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-            self.events[layer] = event
-
-    def wait_layer(self, layer: int) -> None:
-        future = self.futures.get(layer)
-        if future is None:
-            return
-        with self.engine.tracer.start_as_current_span(
-            "flowkv.wait", context=_span_context(self.span), attributes={"flowkv.layer": layer}
-        ):
-            future.result()
-            event = self.events.get(layer)
-            if event is not None:
-                torch.cuda.current_stream().wait_event(event)
-
-    def complete_prefix(self) -> list[Chunk]:
-        """The chunks, in order, up to the first one missing a layer."""
-        done = []
-        for chunk in self.chunks:
-            if chunk.layers_done < self.num_layers:
-                request = self.request
-                request.failed_range = request.failed_range or (
-                    chunk.start, max(request.hit_tokens or 0, self.chunks[-1].end))
-                break
-            done.append(chunk)
-        return done
-
-    def close(self) -> None:
-        for future in self.futures.values():
-            try:
-                future.result()
-            except Exception:  # a failed layer is already counted; finish what can be finished
-                pass
-        if self.stream is not None:
-            self.stream.synchronize()
-        self.ctx.run_deferred()
-        self.span.end()
-        self.finished = True
-
-
-class LayerwiseRetrieve(_LayerwiseRun):
-    """One request's retrieve, landing layer by layer."""
-
-    def __init__(self, engine: CacheEngine, request: Request) -> None:
-        super().__init__(engine, request, "retrieve")
-
-    def start(self) -> None:
-        engine = self.engine
-        if not engine.is_healthy():
-            engine.count("skipped_unhealthy")
-            return
-        items = engine._run_with(engine.segments[("retrieve", "head")], [self.request], self.ctx,
-                                 parent=self.span)
-        self.chunks = [c for c in items if isinstance(c, Chunk) and not c.skip]
-        for layer in range(self.num_layers):
-            self.submit(layer)
-
-    def wait(self, layer: int) -> None:
-        """Block until ``layer``'s KV is in the paged cache (call before the model reads it)."""
-        self.wait_layer(layer)
-
-    def finish(self) -> torch.Tensor:
-        """Wait for every layer; the ret_mask of chunks whose layers all landed."""
-        if not self.finished:
-            self.close()
-            for chunk in self.complete_prefix():
-                self.request.ret_mask[chunk.start:chunk.end] = True
-            if self.request.lookup_id is not None:
-                self.engine.release(self.request.lookup_id)
-            self.engine._retrieved(self.request)
-            self.engine._observe("retrieve", self.started)
-        return self.request.ret_mask
-
-
-class LayerwiseStore(_LayerwiseRun):
-    """One request's store, copying each layer out once the model computed it."""
-
-    def __init__(self, engine: CacheEngine, request: Request) -> None:
-        super().__init__(engine, request, "store")
-        self.started = False
-        self.skipped = not engine.is_healthy()
-
-    def layer_ready(self, layer: int) -> None:
-        """``layer``'s KV for this request is computed: queue its copy out."""
-        engine = self.engine
-        if self.skipped:
-            return
-        if not self.started:
-            self.started = True
-            items = engine._run_with(engine.segments[("store", "head")], [self.request], self.ctx,
-                                     parent=self.span)
-            self.chunks = [c for c in items if isinstance(c, Chunk)]
-        ready = None
-        if self.stream is not None:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.stream.device))
-        self.submit(layer, ready)
-
-    def finish(self) -> int:
-        """Wait for the copies, then store the chunks whose layers all arrived; tokens stored."""
-        if self.finished:
-            return 0
-        if self.skipped:
-            self.engine.count("skipped_unhealthy")
-            self.close()
-            return 0
-        for future in self.futures.values():
-            try:
-                future.result()
-            except Exception:
-                pass
-        if self.stream is not None:
-            self.stream.synchronize()
-        complete = self.complete_prefix()
-        items = self.engine._run_with(self.engine.segments[("store", "tail")], complete, self.ctx,
-                                      parent=self.span) if complete else []
-        self.close()
-        stored = sum(c.num_tokens for c in items if isinstance(c, Chunk))
-        self.engine._stored(stored)
-        self.engine._observe("store", self.started)
-        return stored
-
-    def abort(self) -> None:
-        """Drop this store (the request went away): free what it allocated."""
-        if not self.finished:
-            self.close()
-
-
-def _span_context(span: Any) -> Any:
-    from opentelemetry import trace
-
-    return trace.set_span_in_context(span)
-
-
-class _WriteBehind:
-    """A bounded queue of (key, payload) for one slower tier, drained on the I/O thread.
-
-    ``offer`` never blocks: a full queue drops the chunk from this tier and counts it.
-    """
-
-    _BATCH = 16
-
-    def __init__(self, tier: Any, capacity: int, engine: CacheEngine) -> None:
-        self.tier = tier
-        self.capacity = capacity
-        self.engine = engine
-        self._queue: collections.deque[tuple[str, bytes]] = collections.deque()
-        self._lock = threading.Lock()
-        self._idle = threading.Event()
-        self._idle.set()
-        self._draining = False
-        self.queued = 0
-        self.dropped = 0
-        self.written = 0
-
-    def offer(self, key: str, blob: bytes) -> bool:
-        with self._lock:
-            if len(self._queue) >= self.capacity:
-                self.dropped += 1
-                return False
-            self._queue.append((key, blob))
-            self.queued += 1
-            self._idle.clear()
-            start = not self._draining
-            self._draining = True
-        if start:
-            from flowkv.tiers import portal
-
-            portal.submit(self._drain)
-        return True
-
-    async def _drain(self) -> None:
-        while True:
-            with self._lock:
-                batch = [self._queue.popleft() for _ in range(min(self._BATCH, len(self._queue)))]
-                if not batch:
-                    self._draining = False
-                    self._idle.set()
-                    return
-            try:
-                await self.tier.put(batch)  # the guard counts failures and never raises
-                self.written += len(batch)
-            except Exception:
-                self.dropped += len(batch)
-
-    def wait_empty(self, timeout_s: float) -> bool:
-        return self._idle.wait(timeout_s)
-
-    def stats(self) -> dict[str, int]:
-        with self._lock:
-            return {"write_queue": len(self._queue), "write_queued": self.queued,
-                    "write_dropped": self.dropped, "write_done": self.written}
 
 
 def _as_tokens(tokens: Any) -> torch.Tensor:

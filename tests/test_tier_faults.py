@@ -11,7 +11,6 @@ unhealthy (``skipped``), and the engine's own, longer safety timeout
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import redis

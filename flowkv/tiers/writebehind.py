@@ -1,0 +1,66 @@
+"""Write-behind: chunks for a slower tier wait in a bounded queue, written on the I/O thread."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any
+
+from flowkv.tiers import portal
+
+
+class WriteBehind:
+    """A bounded queue of (key, payload) for one slower tier, drained on the I/O thread.
+
+    ``offer`` never blocks: a full queue drops the chunk from this tier and counts it.
+    """
+
+    _BATCH = 16
+
+    def __init__(self, tier: Any, capacity: int) -> None:
+        self.tier = tier
+        self.capacity = capacity
+        self._queue: collections.deque[tuple[str, bytes]] = collections.deque()
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._draining = False
+        self.queued = 0
+        self.dropped = 0
+        self.written = 0
+
+    def offer(self, key: str, blob: bytes) -> bool:
+        with self._lock:
+            if len(self._queue) >= self.capacity:
+                self.dropped += 1
+                return False
+            self._queue.append((key, blob))
+            self.queued += 1
+            self._idle.clear()
+            start = not self._draining
+            self._draining = True
+        if start:
+            portal.submit(self._drain)
+        return True
+
+    async def _drain(self) -> None:
+        while True:
+            with self._lock:
+                batch = [self._queue.popleft() for _ in range(min(self._BATCH, len(self._queue)))]
+                if not batch:
+                    self._draining = False
+                    self._idle.set()
+                    return
+            try:
+                await self.tier.put(batch)  # the guard counts failures and never raises
+                self.written += len(batch)
+            except Exception:
+                self.dropped += len(batch)
+
+    def wait_empty(self, timeout_s: float) -> bool:
+        return self._idle.wait(timeout_s)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"write_queue": len(self._queue), "write_queued": self.queued,
+                    "write_dropped": self.dropped, "write_done": self.written}
