@@ -5,39 +5,61 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
+
 from flowkv import payload as payloads
 from flowkv.items import Chunk, RunContext
 from flowkv.registry import stage
 
 
-@stage("compress", kinds=("store",), needs={"kv"}, gives={"payload"})
+@attrs.frozen(kw_only=True)
+class CompressConfig:
+    """Settings of ``compress``: the codec and whichever of its parameters are set."""
+
+    codec: str = "none"
+    level: int | None = None  # zstd, zstd-shuffle
+    acceleration: int | None = None  # lz4, lz4-shuffle
+    group_size: int | None = None  # fp8, int8, int4: channels per scale group (0 = per token/head)
+    key_group_size: int | None = None  # int8, int4: tokens per key group (0 = the whole chunk)
+
+    def params(self) -> dict[str, Any]:
+        return {k: v for k, v in attrs.asdict(self).items() if k != "codec" and v is not None}
+
+    def __attrs_post_init__(self) -> None:
+        # Checked when the pipeline loads, so a wrong codec or parameter names its TOML line.
+        from flowkv import codecs
+
+        codecs.get_codec(self.codec).resolve_params(**self.params())
+
+
+@stage("compress", kinds=("store",), needs={"kv"}, gives={"payload"}, config=CompressConfig)
 def compress(
     chunks: Iterator[Chunk],
     *,
     ctx: RunContext,
     codec: str = "none",
     level: int | None = None,
+    acceleration: int | None = None,
+    group_size: int | None = None,
+    key_group_size: int | None = None,
 ) -> Iterator[Chunk]:
     """Encode each chunk's KV with ``codec`` (a header with a checksum, then the body).
 
     Codecs: ``none`` (the chunk stays raw; byte tiers get a plain payload),
-    ``lz4``, ``zstd`` (``level``), ``lz4-shuffle``, ``zstd-shuffle``, and the
-    lossy ``fp8``, ``int8``, ``int4``. Tiers that a later ``put`` writes get
-    the encoded payload.
+    ``lz4``, ``lz4-shuffle`` (``acceleration``), ``zstd``, ``zstd-shuffle``
+    (``level``), and the lossy ``fp8``, ``int8``, ``int4`` (``group_size``,
+    ``key_group_size``). Tiers that a later ``put`` writes get the encoded
+    payload; ``flowkv bench codecs`` measures them on real KV.
 
     TOML::
 
         [[store.stages]]
         use = "compress"
-        codec = "zstd"
-        level = 3
+        codec = "zstd-shuffle"
+        level = 1
     """
-    params: dict[str, Any] = {} if level is None else {"level": level}
-    payloads.encode  # noqa: B018 - fail at first use, not per chunk, if the module is broken
-    if codec != "none":
-        from flowkv import codecs
-
-        codecs.get_codec(codec)  # an unknown codec fails the first run, naming this stage
+    params = CompressConfig(codec=codec, level=level, acceleration=acceleration, group_size=group_size,
+                            key_group_size=key_group_size).params()
     for chunk in chunks:
         if codec != "none":
             chunk.payload = payloads.encode(chunk.kv, codec, **params)

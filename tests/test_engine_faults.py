@@ -93,10 +93,10 @@ def test_a_corrupt_payload_in_memory_is_a_counted_miss_and_never_loaded(where):
     slots = random_slot_mapping(NUM_TOKENS, GEOMETRY, NUM_BLOCKS, seed=3)
     assert e.store(ids, kv_caches=src, slot_mapping=slots) == NUM_TOKENS
 
-    # Chunk 1's slab, encoded by lz4: flip a byte of its header or of its body.
+    # Chunk 1's slab, encoded by the pipeline's codec: flip a byte of its header or of its body.
     key = e.memory.keys()[1]  # oldest first, i.e. in chunk order after one store
     obj = e.memory.get(key)
-    assert obj.meta["codec"] == "lz4"
+    assert obj.meta["codec"] == "lz4-shuffle"
     encoded = obj.view_bytes()[: obj.meta["encoded_len"]]
     offset = 8 if where == "header" else len(encoded) - 5
     encoded[offset] ^= 0x5A
