@@ -43,6 +43,7 @@ Example::
 
 from __future__ import annotations
 
+import abc
 import difflib
 import threading
 from collections.abc import Mapping
@@ -134,7 +135,7 @@ class NoParams:
     """Codec without parameters."""
 
 
-class Codec:
+class Codec(abc.ABC):
     """One way to encode a KV tensor into a payload body.
 
     Subclasses set the class attributes and implement `encode` and
@@ -184,9 +185,9 @@ class Codec:
     def check_tensor(self, kv: torch.Tensor) -> None:
         """Raise ValueError if this codec cannot encode `kv`."""
 
+    @abc.abstractmethod
     def encode(self, kv: torch.Tensor, params: Any) -> Any:
         """Encode `kv` into a body: any object exposing the buffer protocol."""
-        raise NotImplementedError
 
     def decode(self, body: memoryview, shape: tuple[int, ...], dtype: torch.dtype, params: Any) -> torch.Tensor:
         """Decode `body` into a new CPU tensor of `shape` and `dtype`."""
@@ -194,9 +195,9 @@ class Codec:
         self.decode_into(body, params, out)
         return out
 
+    @abc.abstractmethod
     def decode_into(self, body: memoryview, params: Any, out: torch.Tensor) -> None:
         """Decode `body` into `out`, a contiguous tensor of the payload's shape and dtype."""
-        raise NotImplementedError
 
     def max_error(self, kv: torch.Tensor, params: Any) -> torch.Tensor | None:
         """Per-element bound on |decoded - kv| (float64), or None when exact."""
@@ -267,11 +268,13 @@ class _CompressingCodec(Codec):
     lossless = True
     shuffle: ClassVar[bool] = False
 
+    @abc.abstractmethod
     def _compress(self, data: np.ndarray, params: Any) -> Any:
-        raise NotImplementedError
+        """Compress the (possibly shuffled) bytes."""
 
+    @abc.abstractmethod
     def _decompress_into(self, body: memoryview, params: Any, dest: np.ndarray) -> None:
-        raise NotImplementedError
+        """Decompress `body` into `dest` (exactly the raw size)."""
 
     def encode(self, kv: torch.Tensor, params: Any) -> Any:
         raw = _byte_view(kv)

@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import array
+import abc
 import difflib
 import hashlib
 import re
@@ -97,7 +98,7 @@ _MAX_TOKEN_ID = 2**32 - 1
 _COUNT = struct.Struct("<I")
 
 
-class ChunkHashFunction:
+class ChunkHashFunction(abc.ABC):
     """A named, process-independent chunk hash function.
 
     Subclasses define how one chunk is hashed; `chain_hashes` drives them.
@@ -130,11 +131,13 @@ class ChunkHashFunction:
 
     # Subclass hooks: `_prepare` converts the whole token array once per call,
     # `_chain` hashes every span from that one converted form.
+    @abc.abstractmethod
     def _prepare(self, tokens: np.ndarray) -> Any:
-        raise NotImplementedError
+        """The token array in the form `_chain` hashes."""
 
+    @abc.abstractmethod
     def _chain(self, prepared: Any, spans: list[tuple[int, int]], extra: tuple | None, parent: bytes) -> list[bytes]:
-        raise NotImplementedError
+        """One chained hash per span, starting from `parent`."""
 
     def __repr__(self) -> str:
         return f"<ChunkHashFunction {self.name}>"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flowkv import codecs
-from flowkv.codecs import Codec, CodecDataError, UnknownCodecError, codec_names, get_codec, register_codec
+from flowkv.codecs import CodecDataError, UnknownCodecError, codec_names, get_codec, register_codec
 
 FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 LOSSLESS = ["none", "lz4", "lz4-shuffle", "zstd", "zstd-shuffle"]
@@ -221,7 +221,8 @@ def test_registry_names_ids_and_errors():
     with pytest.raises(UnknownCodecError, match="unknown codec id 999"):
         codecs.codec_by_id(999)
 
-    class Clash(Codec):
+    # Concrete codecs (a NoneCodec body) under names and ids the registry must refuse.
+    class Clash(codecs.NoneCodec):
         name = "zstd"
         codec_id = 5000
         lossless = True
@@ -229,7 +230,7 @@ def test_registry_names_ids_and_errors():
     with pytest.raises(ValueError, match="already registered"):
         register_codec(Clash())
 
-    class Reserved(Codec):
+    class Reserved(codecs.NoneCodec):
         name = "mine"
         codec_id = 7
         lossless = True

@@ -143,9 +143,13 @@ def test_gate_refuses_a_file_that_is_not_a_record(tmp_path):
     assert "is not JSON" in gate_error(path)
 
 
-def test_gate_refuses_codec_settings_it_cannot_look_up(tmp_path):
-    message = gate_error(write(tmp_path, pipeline_text("int8", level=3, quality=GATE)))
-    assert "cannot gate" in message and "no parameter 'level'" in message
+def test_codec_settings_the_codec_does_not_take_are_refused_before_the_gate(tmp_path):
+    # The compress stage checks its codec's parameters when the file loads, at the stage's line.
+    with pytest.raises(PipelineError) as caught:
+        load_pipeline(write(tmp_path, pipeline_text("int8", level=3, quality=GATE)))
+    [diagnostic] = caught.value.diagnostics
+    assert diagnostic.kind == "invalid-value"
+    assert "codec 'int8' has no parameter 'level'" in diagnostic.message
 
 
 def test_lossless_pipelines_need_no_record(tmp_path):
