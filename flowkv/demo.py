@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 DEMO_MODEL = dict(num_layers=4, hidden_size=1024, num_heads=16, num_kv_heads=4, intermediate_size=2816,
-                  vocab_size=2048, max_position_embeddings=16384)
+                  vocab_size=2048, max_position_embeddings=32768)
 QUESTIONS = (
     "\n\nQuestion: Which functions does this module define, and what do they return?\nAnswer:",
     "\n\nQuestion: Summarize in one sentence what this code is for.\nAnswer:",

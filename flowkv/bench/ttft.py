@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 llm = build_llm(model, kv_transfer_config=config, max_model_len=max(lengths) + 16)
             except Exception as exc:  # a peer that cannot start here is reported, not fatal
-                results["failed"][name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                results["failed"][name] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
                 continue
             try:
                 times, served = [], []
