@@ -13,6 +13,7 @@ from flowkv.tiers import GuardedTier, RedisTier, RedisTierConfig
 from redis_servers import (  # noqa: F401 - fixtures are used by name
     RedisServer,
     make_payload,
+    own_redis_server,
     payload_verifier,
     redis_cluster,
     redis_server,
@@ -212,3 +213,19 @@ async def test_real_payloads_are_checked_by_default(redis_server: RedisServer) -
     await tier.aclose()
     assert got[1] is None and tier.stats()["corrupt"] == 1
     assert torch.equal(payload.decode(got[0]), kv)
+
+
+async def test_a_restarted_server_is_used_again_at_once(own_redis_server: RedisServer) -> None:
+    # Connections pooled before the restart are dead; the next call must not fail on them.
+    tier = redis_tier(own_redis_server.url)
+    try:
+        await tier.put([(chunk_key(0), make_payload(2048, seed=0))])
+        assert await tier.exists([chunk_key(0)]) == [True]
+        own_redis_server.kill()
+        own_redis_server.start()  # same port, empty (nothing is persisted)
+        assert await tier.exists([chunk_key(0)]) == [False]
+        await tier.put([(chunk_key(1), make_payload(2048, seed=1))])
+        assert await tier.get([chunk_key(1)]) == [make_payload(2048, seed=1)]
+        assert tier.stats()["reconnects"] == 1
+    finally:
+        await tier.aclose()

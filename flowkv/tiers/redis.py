@@ -36,6 +36,7 @@ import anyio
 import anyio.to_thread
 import attrs
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.asyncio.cluster import RedisCluster
 
 from flowkv.registry import tier
@@ -124,7 +125,7 @@ class RedisTier(Tier):
         self._connect_lock: anyio.Lock | None = None
         self.is_cluster: bool | None = config.cluster
         self._counters = dict.fromkeys(
-            ("hits", "misses", "corrupt", "read_bytes", "writes", "written_bytes", "connects"), 0
+            ("hits", "misses", "corrupt", "read_bytes", "writes", "written_bytes", "connects", "reconnects"), 0
         )
 
     def storage_key(self, key: str) -> str:
@@ -192,6 +193,17 @@ class RedisTier(Tier):
     # -- connection ----------------------------------------------------------
 
     async def _pipelined(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        try:
+            return await self._send(commands)
+        except RedisConnectionError:
+            # Connections pooled before a server restart fail once; the commands
+            # (EXISTS, GET, SET of one payload per key) are safe to send again on
+            # a fresh client. A server that is really gone fails again, and raises.
+            self._counters["reconnects"] += 1
+            await self.aclose()
+            return await self._send(commands)
+
+    async def _send(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         client = await self._connection()
         async with client.pipeline(transaction=False) as pipe:
             for command in commands:
