@@ -26,6 +26,7 @@ sizes). Each problem is a ``Diagnostic`` printed as ``FILE:LINE:COL: message``.
 from __future__ import annotations
 
 import importlib.resources
+import json
 import re
 import tomllib
 from collections.abc import Mapping
@@ -226,6 +227,40 @@ def resolve_source(name_or_path: str | Path) -> Path:
         f"no built-in pipeline named '{name_or_path}'{did_you_mean(str(name_or_path), builtins)} "
         f"(built-ins: {', '.join(sorted(builtins))}; or give a path to a .toml file)"
     )
+
+
+# -- writing --------------------------------------------------------------------
+
+StageEntry = str | tuple[str, Mapping[str, Any]]
+
+
+def dumps_pipeline(
+    *,
+    pipeline: Mapping[str, Any],
+    tiers: Mapping[str, Mapping[str, Any]],
+    store: list[StageEntry],
+    retrieve: list[StageEntry],
+    lookup: list[StageEntry] | None = None,
+    sections: Mapping[str, Mapping[str, Any]] | None = None,
+) -> str:
+    """TOML text of a pipeline file, for tools and benchmarks that build one.
+
+    A stage is its name, or ``(name, settings)``; values are strings,
+    numbers, booleans or lists of those. ``sections`` adds tables such as
+    ``telemetry`` or ``layerwise``. ``loads_pipeline`` reads the result back.
+    """
+
+    def table(header: str, values: Mapping[str, Any]) -> str:
+        return header + "\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in values.items())
+
+    parts = [table("[pipeline]", pipeline)]
+    parts += [table(f"[tiers.{name}]", values) for name, values in tiers.items()]
+    for kind, stages in (("store", store), ("retrieve", retrieve), ("lookup", lookup or [])):
+        for entry in stages:
+            name, settings = (entry, {}) if isinstance(entry, str) else entry
+            parts.append(table(f"[[{kind}.stages]]", {"use": name, **settings}))
+    parts += [table(f"[{name}]", values) for name, values in (sections or {}).items()]
+    return "\n".join(parts)
 
 
 # -- loading ------------------------------------------------------------------

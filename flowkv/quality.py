@@ -63,6 +63,7 @@ from typing import Any
 from flowkv import payload as payloads
 from flowkv.codecs import get_codec
 from flowkv.items import Chunk, RunContext
+from flowkv.pipeline import dumps_pipeline
 from flowkv.registry import stage
 
 __all__ = [
@@ -221,44 +222,15 @@ def quality_compress(chunks: Iterator[Chunk], *, ctx: RunContext, codecs: list[s
 
 def _measurement_pipeline(folder: Path, chunk_size: int, codecs: list[tuple[str, dict[str, Any]]],
                           capacity: int) -> Path:
-    entries = ", ".join(json.dumps(json.dumps({"codec": c, "params": p}, sort_keys=True)) for c, p in codecs)
+    entries = [json.dumps({"codec": c, "params": p}, sort_keys=True) for c, p in codecs]
     path = folder / "quality-measurement.toml"
-    path.write_text(f"""
-[pipeline]
-name = "quality-measurement"
-chunk_size = {chunk_size}
-
-[tiers.memory]
-kind = "memory"
-capacity = {capacity}
-
-[[store.stages]]
-use = "tokenize"
-[[store.stages]]
-use = "chunk-hash"
-[[store.stages]]
-use = "allocate"
-[[store.stages]]
-use = "gather"
-[[store.stages]]
-use = "flowkv.quality:quality_compress"
-codecs = [{entries}]
-[[store.stages]]
-use = "put"
-
-[[retrieve.stages]]
-use = "tokenize"
-[[retrieve.stages]]
-use = "chunk-hash"
-[[retrieve.stages]]
-use = "lookup"
-[[retrieve.stages]]
-use = "get"
-[[retrieve.stages]]
-use = "decompress"
-[[retrieve.stages]]
-use = "scatter"
-""", encoding="utf-8")
+    path.write_text(dumps_pipeline(
+        pipeline={"name": "quality-measurement", "chunk_size": chunk_size},
+        tiers={"memory": {"kind": "memory", "capacity": capacity}},
+        store=["tokenize", "chunk-hash", "allocate", "gather",
+               ("flowkv.quality:quality_compress", {"codecs": entries}), "put"],
+        retrieve=["tokenize", "chunk-hash", "lookup", "get", "decompress", "scatter"],
+    ), encoding="utf-8")
     return path
 
 

@@ -647,3 +647,23 @@ def test_two_memory_tiers_point_at_the_second():
     )
     at(d, 4)
     assert "found 2: fast, more" in d.message
+
+
+def test_dumps_pipeline_reads_back():
+    from flowkv.pipeline import dumps_pipeline
+
+    text = dumps_pipeline(
+        pipeline={"name": "built", "chunk_size": 64},
+        tiers={"memory": {"kind": "memory", "capacity": "8MiB"}},
+        store=["tokenize", "chunk-hash", "allocate", "gather", ("compress", {"codec": "zstd", "level": 1}),
+               ("put", {"tiers": ["memory"]})],
+        retrieve=["tokenize", "chunk-hash", "lookup", "get", "decompress", "scatter"],
+        sections={"telemetry": {"exporter": "none"}},
+    )
+    pipeline = loads_pipeline(text)
+    assert pipeline.name == "built" and pipeline.chunk_size == 64
+    assert [s.name for s in pipeline.store][-2:] == ["compress", "put"]
+    compress = pipeline.store[4].settings()
+    assert compress["codec"] == "zstd" and compress["level"] == 1
+    assert pipeline.store[5].settings()["tiers"] == ["memory"]
+    assert [s.name for s in pipeline.lookup] == ["tokenize", "chunk-hash", "lookup"]

@@ -40,6 +40,7 @@ from typing import Any
 
 from flowkv.demo import QUESTIONS, DEMO_MODEL, build_llm, default_model_dir, flowkv_config, setup_environment, shutdown
 from flowkv.sizes import parse_size
+from flowkv.pipeline import dumps_pipeline
 
 __all__ = ["add_arguments", "capacity_pipeline", "drop_page_cache", "run"]
 
@@ -67,53 +68,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def capacity_pipeline(folder: Path, *, codec: str, params: dict[str, Any], disk_path: Path,
                       disk_capacity: int, staging_bytes: int, chunk_size: int) -> Path:
     """Write the benchmark's pipeline file: disk as the only hit source, `codec` on disk."""
-    settings = "".join(f"{key} = {json.dumps(value)}\n" for key, value in params.items())
     path = folder / f"capacity-{codec}.toml"
-    path.write_text(f"""
-[pipeline]
-name = "capacity-{codec}"
-chunk_size = {chunk_size}
-
-[tiers.memory]
-kind = "memory"
-capacity = {staging_bytes}
-
-[tiers.disk]
-kind = "disk"
-path = {json.dumps(str(disk_path))}
-capacity = {disk_capacity}
-timeout_s = 10.0
-
-[[store.stages]]
-use = "tokenize"
-[[store.stages]]
-use = "chunk-hash"
-[[store.stages]]
-use = "allocate"
-[[store.stages]]
-use = "gather"
-[[store.stages]]
-use = "compress"
-codec = "{codec}"
-{settings}[[store.stages]]
-use = "put"
-tiers = ["disk"]
-
-[[retrieve.stages]]
-use = "tokenize"
-[[retrieve.stages]]
-use = "chunk-hash"
-[[retrieve.stages]]
-use = "lookup"
-prefetch = false
-[[retrieve.stages]]
-use = "get"
-promote = false
-[[retrieve.stages]]
-use = "decompress"
-[[retrieve.stages]]
-use = "scatter"
-""", encoding="utf-8")
+    path.write_text(dumps_pipeline(
+        pipeline={"name": f"capacity-{codec}", "chunk_size": chunk_size},
+        tiers={
+            "memory": {"kind": "memory", "capacity": staging_bytes},
+            "disk": {"kind": "disk", "path": str(disk_path), "capacity": disk_capacity, "timeout_s": 10.0},
+        },
+        store=["tokenize", "chunk-hash", "allocate", "gather", ("compress", {"codec": codec, **params}),
+               ("put", {"tiers": ["disk"]})],
+        retrieve=["tokenize", "chunk-hash", ("lookup", {"prefetch": False}), ("get", {"promote": False}),
+                  "decompress", "scatter"],
+    ), encoding="utf-8")
     return path
 
 

@@ -48,61 +48,14 @@ from typing import Any
 
 import torch
 
+from flowkv.pipeline import dumps_pipeline
+
 __all__ = ["add_arguments", "measure", "run"]
 
 _LAYERS, _KV_HEADS, _HEAD_SIZE, _BLOCK_SIZE, _CHUNK = 8, 8, 128, 16, 256
 # A bulk write of a whole request may take seconds on a slow disk; the guard must not cut it off here.
 _TIER_TIMEOUT_S = 120.0
 
-_PIPELINE = """
-[pipeline]
-name = "bench-tiers-{tier}"
-chunk_size = {chunk}
-hash = "sha256"
-
-[tiers.memory]
-kind = "memory"
-capacity = {capacity}
-pin_memory = false
-{slow_tier}
-[[store.stages]]
-use = "tokenize"
-[[store.stages]]
-use = "chunk-hash"
-[[store.stages]]
-use = "allocate"
-[[store.stages]]
-use = "gather"
-[[store.stages]]
-use = "compress"
-codec = "none"
-[[store.stages]]
-use = "put"
-
-[[retrieve.stages]]
-use = "tokenize"
-[[retrieve.stages]]
-use = "chunk-hash"
-[[retrieve.stages]]
-use = "lookup"
-[[retrieve.stages]]
-use = "get"
-[[retrieve.stages]]
-use = "decompress"
-[[retrieve.stages]]
-use = "scatter"
-
-[[lookup.stages]]
-use = "tokenize"
-[[lookup.stages]]
-use = "chunk-hash"
-[[lookup.stages]]
-use = "lookup"
-prefetch = false
-
-[telemetry]
-exporter = "none"
-"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -279,8 +232,20 @@ def _engine_figures(engine_for: Callable[[], Any], request: _Request, repeats: i
     return {"put_s": put_s, "get_s": get_s, "lookup_s": min(lookups)}
 
 
-def _pipeline_text(tier: str, capacity: int, slow_tier: str = "") -> str:
-    return _PIPELINE.format(tier=tier, chunk=_CHUNK, capacity=capacity, slow_tier=slow_tier)
+def _pipeline_text(tier: str, capacity: int, slow_tier: dict[str, Any] | None = None) -> str:
+    """The benchmark's pipeline: memory in front of at most one slower tier, raw payloads,
+    a lookup that does not prefetch (it would move data the lookup figure should not include)."""
+    tiers: dict[str, dict[str, Any]] = {"memory": {"kind": "memory", "capacity": capacity, "pin_memory": False}}
+    if slow_tier is not None:
+        tiers[tier] = {"kind": tier, **slow_tier}
+    return dumps_pipeline(
+        pipeline={"name": f"bench-tiers-{tier}", "chunk_size": _CHUNK, "hash": "sha256"},
+        tiers=tiers,
+        store=["tokenize", "chunk-hash", "allocate", "gather", ("compress", {"codec": "none"}), "put"],
+        retrieve=["tokenize", "chunk-hash", "lookup", "get", "decompress", "scatter"],
+        lookup=["tokenize", "chunk-hash", ("lookup", {"prefetch": False})],
+        sections={"telemetry": {"exporter": "none"}},
+    )
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -309,7 +274,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "tiers": {},
     }
 
-    def engine_on(tier: str, slow_tier: str = "") -> Callable[[], Any]:
+    def engine_on(tier: str, slow_tier: dict[str, Any] | None = None) -> Callable[[], Any]:
         text = _pipeline_text(tier, capacity, slow_tier)
         return lambda: CacheEngine(loads_pipeline(text, file=f"<bench {tier}>"), geometry=geometry,
                                    model_name="bench-tiers")
@@ -339,8 +304,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
         def disk_engine() -> Any:
             folder = disk_root / str(next(counter))
-            table = (f'\n[tiers.disk]\nkind = "disk"\npath = "{folder}"\ncapacity = {2 * kv_bytes + (1 << 20)}\n'
-                     f"timeout_s = {_TIER_TIMEOUT_S}\nwrite_queue = {chunks + 1}\n")
+            table = {"path": str(folder), "capacity": 2 * kv_bytes + (1 << 20),
+                     "timeout_s": _TIER_TIMEOUT_S, "write_queue": chunks + 1}
             return engine_on("disk", table)()
 
         def remove_folder(engine: Any) -> None:
@@ -396,8 +361,8 @@ def _measure_redis(url: str, note: str, engine_on: Callable[..., Callable[[], An
         for start in range(0, len(batch), 1000):
             client.delete(*batch[start:start + 1000])
 
-    table = (f'\n[tiers.redis]\nkind = "redis"\nurl = "{url}"\nnamespace = "{namespace}"\n'
-             f"timeout_s = {_TIER_TIMEOUT_S}\nsocket_timeout_s = {_TIER_TIMEOUT_S}\nwrite_queue = {chunks + 1}\n")
+    table = {"url": url, "namespace": namespace, "timeout_s": _TIER_TIMEOUT_S,
+             "socket_timeout_s": _TIER_TIMEOUT_S, "write_queue": chunks + 1}
     try:
         figures = _engine_figures(engine_on("redis", table), request, reps, slow="redis", cleanup=delete_namespace)
         raw_keys = [f"{namespace}:raw:{index}" for index in range(chunks)]
