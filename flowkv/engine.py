@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 import xxhash
 
@@ -91,6 +92,8 @@ class CacheEngine:
         self._failures = 0
         self._unhealthy_until = 0.0
         self._closed = False
+        # Tokens the last retrieve was promised but could not load (None: it loaded all it found).
+        self.last_failed_range: tuple[int, int] | None = None
 
         self.tier_names = list(pipeline.tiers)
         memory_specs = [t for t in pipeline.tiers.values() if t.kind == "memory"]
@@ -254,6 +257,7 @@ class CacheEngine:
         and ``last_failed_range`` then says which tokens were promised but not
         loaded. Pins of ``lookup_id`` are released.
         """
+        self.last_failed_range = None
         if self.layerwise:
             handle = self.retrieve_layerwise(tokens, kv_caches=kv_caches, slot_mapping=slot_mapping,
                                              mask=mask, tags=tags, lookup_id=lookup_id, request_id=request_id)
@@ -338,8 +342,6 @@ class CacheEngine:
             if self._layer_worker is None:
                 self._layer_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flowkv-layers")
             return self._layer_worker
-
-    last_failed_range: tuple[int, int] | None = None
 
     def release(self, lookup_id: Any) -> None:
         """Drop every pin ``lookup_id`` holds (a finished or aborted request)."""
@@ -454,7 +456,7 @@ class CacheEngine:
         """
         prefix = self.key_prefix(request.tags)
         tokens = request.tokens
-        digest = xxhash.xxh3_128_digest(tokens.numpy().tobytes())
+        digest = xxhash.xxh3_128_digest(np.ascontiguousarray(tokens.numpy()))  # no copy when contiguous
         regular = spans is None or all(
             start == i * self.chunk_size and end == min(start + self.chunk_size, request.num_tokens)
             for i, (start, end) in enumerate(spans)

@@ -116,6 +116,10 @@ def test_a_corrupt_payload_in_memory_is_a_counted_miss_and_never_loaded(where):
     # The corrupt chunk is dropped, so it is not promised again.
     assert e.lookup(ids) == CHUNK
     assert e.is_healthy(), "bad data is a miss, not an engine failure"
+    # A retrieve that does no work (a closed engine skips it) leaves no failed range of an earlier one.
+    e.close()
+    assert not e.retrieve(ids, kv_caches=dst, slot_mapping=slots).any()
+    assert e.last_failed_range is None
 
 
 def test_a_chunk_evicted_after_lookup_shrinks_the_mask_and_names_the_range(tmp_path):
