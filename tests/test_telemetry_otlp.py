@@ -44,8 +44,8 @@ def check_spans(spans) -> None:
         [root] = [r for r in roots.values() if r.name == root_name]
         children = [s for s in spans if s.parent_span_id == root.span_id]
         # One span per stage, in the pipeline's order, each a child of its run's root.
-        assert sorted(children, key=lambda s: s.attributes["flowkv.stage.index"]) and \
-            [s.name for s in sorted(children, key=lambda s: s.attributes["flowkv.stage.index"])] == stage_names
+        in_order = sorted(children, key=lambda s: s.attributes["flowkv.stage.index"])
+        assert [s.name for s in in_order] == stage_names
         for span in children:
             attributes = span.attributes
             assert attributes["flowkv.stage"] == span.name
