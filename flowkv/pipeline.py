@@ -85,7 +85,7 @@ class TierGuardSpec:
 
     timeout_s: float = 1.0  # every call to the tier is cut off after this
     backoff_max_s: float = 30.0  # a failed tier is retried after at most this long
-    write_queue: int = 256  # chunks waiting for write-behind; more are dropped and counted
+    write_queue: int = 256  # chunks held for write-behind (waiting or being written); more are dropped and counted
 
 
 @attrs.frozen

@@ -12,7 +12,9 @@ from flowkv.tiers import portal
 class WriteBehind:
     """A bounded queue of (key, payload) for one slower tier, drained on the I/O thread.
 
-    ``offer`` never blocks: a full queue drops the chunk from this tier and counts it.
+    ``capacity`` bounds every chunk held for the tier: those waiting and those in
+    the batch being written. ``offer`` never blocks: when ``capacity`` chunks are
+    held, the chunk is dropped from this tier and counted.
     """
 
     _BATCH = 16
@@ -25,13 +27,14 @@ class WriteBehind:
         self._idle = threading.Event()
         self._idle.set()
         self._draining = False
+        self._in_flight = 0
         self.queued = 0
         self.dropped = 0
         self.written = 0
 
     def offer(self, key: str, blob: bytes) -> bool:
         with self._lock:
-            if len(self._queue) >= self.capacity:
+            if len(self._queue) + self._in_flight >= self.capacity:
                 self.dropped += 1
                 return False
             self._queue.append((key, blob))
@@ -51,16 +54,23 @@ class WriteBehind:
                     self._draining = False
                     self._idle.set()
                     return
+                self._in_flight = len(batch)
             try:
                 await self.tier.put(batch)  # the guard counts failures and never raises
-                self.written += len(batch)
+                done = True
             except Exception:
-                self.dropped += len(batch)
+                done = False
+            with self._lock:
+                self._in_flight = 0
+                if done:
+                    self.written += len(batch)
+                else:
+                    self.dropped += len(batch)
 
     def wait_empty(self, timeout_s: float) -> bool:
         return self._idle.wait(timeout_s)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"write_queue": len(self._queue), "write_queued": self.queued,
+            return {"write_queue": len(self._queue) + self._in_flight, "write_queued": self.queued,
                     "write_dropped": self.dropped, "write_done": self.written}
