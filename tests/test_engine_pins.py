@@ -124,7 +124,8 @@ def test_no_pin_or_slab_survives_1000_mixed_operations():
             assert e.lookup(ids) % CHUNK == 0
         elif op == "pin":
             lookup_id = f"req-{step}"
-            open_lookups[lookup_id] = (ids, e.lookup(ids, pin=True, lookup_id=lookup_id), time.monotonic())
+            before = time.monotonic()  # the pin's clock starts inside lookup, after this
+            open_lookups[lookup_id] = (ids, e.lookup(ids, pin=True, lookup_id=lookup_id), before)
         elif op in ("retrieve", "release", "abandon") and open_lookups:
             lookup_id = rng.choice(sorted(open_lookups))
             ids, hit, when = open_lookups.pop(lookup_id)

@@ -89,7 +89,7 @@ async def test_server_killed_mid_workload_then_restarted(own_redis_server: Redis
 async def test_hung_server_is_cut_off_by_the_guard_timeout(own_redis_server: RedisServer) -> None:
     clock = ManualClock()
     guarded = GuardedTier(
-        redis_tier(own_redis_server.url), timeout_s=0.2, backoff_initial_s=1.0, backoff_max_s=8.0, clock=clock
+        redis_tier(own_redis_server.url), timeout_s=1.0, backoff_initial_s=1.0, backoff_max_s=8.0, clock=clock
     )
     await guarded.put([(chunk_key(1), make_payload(KIB, seed=1))])
     own_redis_server.pause()
@@ -185,7 +185,7 @@ def test_guard_rejects_bad_settings() -> None:
 
 @pytest.mark.redis
 def test_synchronous_code_reaches_tiers_through_the_portal(own_redis_server: RedisServer) -> None:
-    guarded = GuardedTier(redis_tier(own_redis_server.url), timeout_s=0.2, backoff_initial_s=60.0, backoff_max_s=60.0)
+    guarded = GuardedTier(redis_tier(own_redis_server.url), timeout_s=1.0, backoff_initial_s=60.0, backoff_max_s=60.0)
     entry = (chunk_key(1), make_payload(KIB, seed=1))
     portal.submit(guarded.put, [entry]).result(timeout=30)  # write-behind
     assert portal.call(guarded.get, [chunk_key(1)], timeout_s=30) == [entry[1]]
