@@ -70,6 +70,7 @@ __all__ = [
     "RECORD_FORMAT",
     "add_commands",
     "check_gate",
+    "check_served_model",
     "codec_settings",
     "load_record",
     "measure",
@@ -183,6 +184,33 @@ def check_gate(
                 f"below min_agreement {min_agreement:.1%}"
             )
     return problems
+
+
+def check_served_model(pipeline: Any, model: str) -> str | None:
+    """Whether the quality record a pipeline is gated by measured ``model``.
+
+    ``ValueError`` when the record measured another model (its config.json
+    differs): an agreement measured on one model says nothing of another.
+    Returns a warning when the served model cannot be checked (not a local
+    folder with a config.json); None when it matches or nothing is gated.
+    """
+    quality = pipeline.quality
+    if quality.min_agreement is None or quality.record is None:
+        return None
+    if all(get_codec(c).lossless for c, _ in codec_settings(pipeline.store)):
+        return None
+    path = _record_path(pipeline)
+    record = load_record(path)
+    config = Path(model).expanduser() / "config.json"
+    if not config.is_file():
+        return (f"[quality] cannot check that record {path} measured the served model {model!r} "
+                f"(no local config.json); make sure it did")
+    if record.get("model_config_sha256") != _model_digest(config.parent):
+        raise ValueError(
+            f"[quality] record {path} measured model {record.get('model', '?')}, but vLLM serves {model} (config.json differs): "
+            f"its agreement does not hold for this model; run 'flowkv quality PIPELINE --model {model} --out {path}'"
+        )
+    return None
 
 
 # -- the measurement stage ----------------------------------------------------------

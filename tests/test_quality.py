@@ -314,3 +314,47 @@ def test_shipped_lossless_tiered_pipeline_loads_under_any_gate():
 
     pipeline = load_pipeline("cpu-disk-zstd", overrides={"quality.min_agreement": 1.0})
     assert codec_settings(pipeline.store) == [("zstd-shuffle", {"level": 1})]
+
+
+# -- the record must have measured the served model ------------------------------------
+
+
+def model_folder(folder: Path, hidden_size: int) -> Path:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"hidden_size": hidden_size}), encoding="utf-8")
+    return folder
+
+
+def gated_pipeline_of(tmp_path: Path, measured: Path):
+    from flowkv.quality import _model_digest
+
+    rec = record([("int8", INT8_PARAMS, 0.95)], model=str(measured))
+    rec["model_config_sha256"] = _model_digest(measured)
+    return load_pipeline(write(tmp_path, pipeline_text("int8", quality=GATE), rec))
+
+
+def test_a_record_of_another_model_is_refused_for_the_served_one(tmp_path):
+    from flowkv.quality import check_served_model
+
+    measured = model_folder(tmp_path / "measured", 64)
+    other = model_folder(tmp_path / "other", 128)
+    pipeline = gated_pipeline_of(tmp_path, measured)
+    assert check_served_model(pipeline, str(measured)) is None
+    with pytest.raises(ValueError, match=r"measured model .*measured, but vLLM serves .*other"):
+        check_served_model(pipeline, str(other))
+
+
+def test_a_served_model_without_a_local_config_is_a_warning(tmp_path):
+    from flowkv.quality import check_served_model
+
+    pipeline = gated_pipeline_of(tmp_path, model_folder(tmp_path / "measured", 64))
+    warning = check_served_model(pipeline, "some-org/hub-model")
+    assert warning is not None and "cannot check" in warning and "hub-model" in warning
+
+
+def test_ungated_or_lossless_pipelines_check_no_model(tmp_path):
+    from flowkv.quality import check_served_model
+
+    assert check_served_model(load_pipeline(write(tmp_path, pipeline_text("int8"))), "anything") is None
+    lossless = load_pipeline(write(tmp_path, pipeline_text("zstd", quality=GATE), record([("int8", INT8_PARAMS, 0.9)])))
+    assert check_served_model(lossless, "anything") is None

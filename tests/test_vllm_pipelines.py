@@ -5,6 +5,8 @@ Each test starts its own vLLM engines (about 20-40 s each on two cores).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -120,3 +122,21 @@ def test_with_vllm_prefix_caching_flowkv_serves_what_vllm_evicted():
     assert warm_cached >= 1792
     assert retrieved > 0
     assert warm == cold
+
+
+def test_quality_record_of_another_model_stops_vllm_at_start(tmp_path, capfd):
+    """The shipped int8 pipeline, gated by a record whose model is not the one vLLM serves."""
+    from flowkv.pipeline import resolve_source
+
+    shipped = resolve_source("cpu-disk-int8").read_text(encoding="utf-8")
+    gated = tmp_path / "gated.toml"
+    quality = '[quality]\nmin_agreement = 0.95\nrecord = "quality.json"\n'
+    gated.write_text(shipped.split("# [quality]")[0] + quality, encoding="utf-8")
+    (tmp_path / "quality.json").write_text(json.dumps({
+        "format": 1, "model": "/models/another", "model_config_sha256": "0" * 64,
+        "codecs": [{"codec": "int8", "params": {"group_size": 0, "key_group_size": 0}, "agreement": 0.99}],
+    }), encoding="utf-8")
+    with pytest.raises(RuntimeError):
+        make_llm({"pipeline": str(gated), "tiers.disk.path": str(tmp_path / "disk")})
+    logs = capfd.readouterr().err
+    assert f"[quality] record {tmp_path / 'quality.json'} measured model /models/another, but vLLM serves" in logs

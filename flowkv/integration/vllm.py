@@ -458,6 +458,11 @@ class FlowKVConnector(KVConnectorBase_V1):
         # Loading checks the whole pipeline: a bad one stops vLLM here, in
         # both processes, with every error listed.
         self._pipeline = load_pipeline(self._settings.pipeline, overrides=self._settings.overrides)
+        # A [quality] gate holds only for the model its record measured.
+        from flowkv.quality import check_served_model
+
+        if (warning := check_served_model(self._pipeline, vllm_config.model_config.model)) is not None:
+            logger.warning("flowkv: %s", warning)
         self._chunk_size = self._pipeline.chunk_size
         self._block_size = vllm_config.cache_config.block_size
         self._save_decode = self._pipeline.vllm.save_decode
