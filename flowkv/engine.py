@@ -52,7 +52,7 @@ from flowkv.runner import Runner, StageError
 
 log = logging.getLogger("flowkv.engine")
 
-# Room above one raw chunk in every memory slab: an encoded payload's header,
+# Room above one raw chunk in the largest memory object: an encoded payload's header,
 # and the few bytes a lossless codec can add to incompressible data.
 _SLAB_MARGIN = 4096
 # After this many failed runs in a row the engine reports unhealthy for a while.
@@ -621,18 +621,19 @@ class CacheEngine:
         return True
 
     def put_memory(self, chunk: Chunk) -> int:
-        """Hand a stored chunk to the memory tier (raw slab, or its encoded payload)."""
+        """Hand a stored chunk to the memory tier (raw KV, or its encoded payload)."""
         obj = chunk.obj
         payload = chunk.payload
         if payload is not None and len(payload) <= obj.nbytes:
-            # The encoding overwrites the chunk's own slab: the raw KV is no
-            # longer needed, and a second slab would cost a whole slab anyway
-            # (one object per slab) while letting this store evict its own
-            # earlier chunks when memory is short.
+            # The encoding overwrites the chunk's own pages (the raw KV is no
+            # longer needed; a second allocation could evict this store's own
+            # earlier chunks when memory is short), and the pages past it go
+            # back to the arena: a compressed entry costs only its bytes.
             obj.view_bytes()[: len(payload)] = payload
+            chunk.kv = None
+            obj.shrink_to_bytes(len(payload))
             obj.meta["codec"] = payloads.read_header(payload).codec
             obj.meta["encoded_len"] = len(payload)
-            chunk.kv = None
         else:
             # No codec, or an encoding no smaller than the raw chunk: keep it raw.
             payload = None

@@ -1,21 +1,24 @@
-"""The memory tier: a slab arena, reference-counted `MemoryObj`s, and an LRU `MemoryTier`.
+"""The memory tier: a page arena, reference-counted `MemoryObj`s, and an LRU `MemoryTier`.
 
 ::
 
     MemoryArena.buffer (one uint8 tensor, pinned on CUDA machines when asked)
-    +-----------+-----------+-----------+-----------+-----------+
-    |  slab 0   |  slab 1   |  slab 2   |  slab 3   |   ...     |   slab_bytes each
-    +-----------+-----------+-----------+-----------+-----------+
-      MemoryObj   free        MemoryObj   free
-      (a view of the requested shape/dtype at the start of its slab)
+    +----------------+--+--------+----------------+----+--------------+
+    | full chunk     |p | lz4    | full chunk     |free| ...          |   page_bytes units
+    +----------------+--+--------+----------------+----+--------------+
+      MemoryObj       MemoryObj   MemoryObj
 
-Every object takes exactly one slab, full chunk or partial, raw KV or an
-encoded payload: allocation is a pop from a free list, never fragments, and
-its worst case is bounded (a partial chunk wastes the rest of its slab).
+Every object takes one contiguous run of pages, as many as its bytes need:
+a full raw chunk takes ``slab_bytes`` (the largest object), a partial chunk
+or an encoded payload only what it uses, so compression and partial chunks
+make room for more entries. Pages default to 4 KiB. Free runs are
+coalesced when freed; allocation takes the first free run that fits (the
+same-sized full chunks of a steady workload reuse each other's runs), never
+waits, and answers ``None`` when no run is long enough.
 
 Ownership: `allocate` returns an object with ``ref_count == 1`` held by the
 caller. The tier takes its own reference on `MemoryTier.put`; `MemoryTier.get`
-takes one for the caller. The slab returns to the arena when the count
+takes one for the caller. The pages return to the arena when the count
 reaches 0. Pins (per lookup owner, with a deadline) keep an entry from being
 evicted between lookup and retrieve; they hold no reference.
 
@@ -35,6 +38,7 @@ Example::
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 import time
@@ -59,27 +63,35 @@ __all__ = [
 # Arena and objects
 # --------------------------------------------------------------------------
 
-# Slab starts are aligned so that a view of any dtype (up to complex128) is
-# legal and starts on a cache line.
-_SLAB_ALIGN = 64
+# Pages are aligned so that a view of any dtype (up to complex128) is legal
+# and starts on a cache line.
+_ALIGN = 64
+# The default unit of allocation: it divides the full chunks of common KV
+# shapes exactly, and a payload wastes less than one page.
+_DEFAULT_PAGE = 4096
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 class MemoryObj:
-    """One object in a `MemoryArena` slab: a tensor view plus reference and pin counts.
+    """One object in a `MemoryArena`: a tensor view onto its pages plus reference and pin counts.
 
-    ``ref_count`` starts at 1, owned by whoever allocated it; the slab goes
+    ``ref_count`` starts at 1, owned by whoever allocated it; the pages go
     back to the arena when `ref_down` brings it to 0, after which `tensor`
     raises. ``meta`` holds facts about the content, e.g. ``{"codec": "lz4",
-    "encoded_len": 12345}`` when the slab holds an encoded payload.
+    "encoded_len": 12345}`` when the object holds an encoded payload.
     """
 
-    __slots__ = ("_arena", "_slab", "_tensor", "nbytes", "ref_count", "pin_count", "meta")
+    __slots__ = ("_arena", "_first_page", "_pages", "_tensor", "nbytes", "ref_count", "pin_count", "meta")
 
-    def __init__(self, arena: MemoryArena, slab: int, tensor: torch.Tensor, nbytes: int) -> None:
+    def __init__(self, arena: MemoryArena, first_page: int, pages: int, tensor: torch.Tensor, nbytes: int) -> None:
         self._arena = arena
-        self._slab = slab
+        self._first_page = first_page
+        self._pages = pages
         self._tensor: torch.Tensor | None = tensor
-        #: bytes the object uses in its slab
+        #: bytes the object uses of its pages
         self.nbytes = nbytes
         #: holders of a reference (allocator's caller, the tier, readers)
         self.ref_count = 1
@@ -90,17 +102,17 @@ class MemoryObj:
 
     @property
     def arena(self) -> MemoryArena:
-        """The arena that owns this object's slab."""
+        """The arena that owns this object's pages."""
         return self._arena
 
     @property
     def freed(self) -> bool:
-        """True once the slab went back to the arena."""
+        """True once the pages went back to the arena."""
         return self._tensor is None
 
     @property
     def tensor(self) -> torch.Tensor:
-        """The view of the requested shape and dtype onto the slab."""
+        """The view of the requested shape and dtype onto the pages."""
         tensor = self._tensor
         if tensor is None:
             raise RuntimeError("MemoryObj used after its last reference was dropped")
@@ -117,6 +129,29 @@ class MemoryObj:
             raise RuntimeError(f"view_bytes needs a CPU arena, this one is on {tensor.device}")
         return memoryview(tensor.view(torch.uint8).reshape(-1).numpy()).cast("B")
 
+    def shrink_to_bytes(self, nbytes: int) -> None:
+        """Keep only the first ``nbytes`` bytes, as a flat uint8 `tensor`, and give
+        the pages past them back to the arena.
+
+        For an object whose contents were just replaced by a shorter encoding
+        (a compressed chunk): only its sole holder may shrink it, since any
+        other view of the old shape would reach into pages given back.
+        """
+        with self._arena._lock:
+            if self._tensor is None:
+                raise RuntimeError("shrink_to_bytes on a MemoryObj that was already freed")
+            if self.ref_count != 1 or self.pin_count:
+                raise RuntimeError(f"shrink_to_bytes needs the only reference and no pin ({self!r})")
+            if not 0 <= nbytes <= self.nbytes:
+                raise ValueError(f"cannot shrink an object of {self.nbytes} B to {nbytes} B")
+            pages = max(1, -(-nbytes // self._arena.page_bytes))
+            if pages < self._pages:
+                self._arena._release(self._first_page + pages, self._pages - pages)
+                self._pages = pages
+            start = self._first_page * self._arena.page_bytes
+            self._tensor = self._arena.buffer[start:start + nbytes]
+            self.nbytes = nbytes
+
     def ref_up(self) -> None:
         """Take one more reference."""
         with self._arena._lock:
@@ -125,14 +160,14 @@ class MemoryObj:
             self.ref_count += 1
 
     def ref_down(self) -> None:
-        """Drop one reference; the last one frees the slab."""
+        """Drop one reference; the last one frees the pages."""
         with self._arena._lock:
             if self.ref_count <= 0:
                 raise RuntimeError("ref_down on a MemoryObj with no references left")
             self.ref_count -= 1
             if self.ref_count == 0:
                 self._tensor = None
-                self._arena._release(self._slab)
+                self._arena._release(self._first_page, self._pages)
 
     def pin(self) -> None:
         """Count one more pin (the tier pins on behalf of lookup owners)."""
@@ -148,56 +183,87 @@ class MemoryObj:
 
     def __repr__(self) -> str:
         state = "freed" if self.freed else f"refs={self.ref_count} pins={self.pin_count}"
-        return f"<MemoryObj slab={self._slab} nbytes={self.nbytes} {state} meta={self.meta}>"
+        return f"<MemoryObj pages={self._first_page}+{self._pages} nbytes={self.nbytes} {state} meta={self.meta}>"
 
 
 class MemoryArena:
-    """A pre-allocated buffer carved into fixed-size slabs, one per `MemoryObj`.
+    """A pre-allocated buffer handed out in contiguous runs of pages, one run per `MemoryObj`.
 
-    ``slab_bytes`` is rounded up to a multiple of 64. ``pin_memory`` pins
-    the buffer when CUDA is available (``pinned`` says whether it is).
-    Allocation never waits: a full arena answers ``None``.
+    ``slab_bytes`` is the largest object (one full chunk and its margin),
+    rounded up to a multiple of 64. ``page_bytes``, the unit of allocation,
+    defaults to 4 KiB (a multiple of 64, at most one slab).
+    ``pin_memory`` pins the buffer when CUDA is available (``pinned`` says
+    whether it is). Allocation never waits: when no free run is long enough
+    it answers ``None``.
     """
 
-    def __init__(self, capacity_bytes: int | str, *, slab_bytes: int | str,
+    def __init__(self, capacity_bytes: int | str, *, slab_bytes: int | str, page_bytes: int | str | None = None,
                  pin_memory: bool = False, device: str | torch.device = "cpu") -> None:
         capacity = parse_size(capacity_bytes)
         slab = parse_size(slab_bytes)
         if slab <= 0:
             raise ValueError(f"slab_bytes must be positive, got {slab_bytes!r}")
-        slab = -(-slab // _SLAB_ALIGN) * _SLAB_ALIGN
-        num_slabs = capacity // slab
-        if num_slabs == 0:
+        slab = _round_up(slab, _ALIGN)
+        page = parse_size(page_bytes) if page_bytes is not None else _DEFAULT_PAGE
+        if page_bytes is not None and page <= 0:
+            raise ValueError(f"page_bytes must be positive, got {page_bytes!r}")
+        page = min(_round_up(max(page, _ALIGN), _ALIGN), slab)
+        num_pages = capacity // page
+        if num_pages * page < slab:
             raise ValueError(f"capacity {capacity} B holds no slab of {slab} B")
         self.device = torch.device(device)
         #: whether the buffer is page-locked (fast, async host<->GPU copies)
         self.pinned = bool(pin_memory and self.device.type == "cpu" and torch.cuda.is_available())
-        #: size of every slab in bytes
+        #: the largest object in bytes
         self.slab_bytes = slab
-        #: number of slabs
-        self.num_slabs = num_slabs
+        #: the unit of allocation in bytes
+        self.page_bytes = page
+        #: pages in the arena
+        self.num_pages = num_pages
+        #: pages the largest object takes
+        self.pages_per_slab = -(-slab // page)
         #: the one backing buffer
-        self.buffer = torch.empty(num_slabs * slab, dtype=torch.uint8, device=self.device,
+        self.buffer = torch.empty(num_pages * page, dtype=torch.uint8, device=self.device,
                                   pin_memory=self.pinned)
-        # LIFO free list: a slab freed a moment ago is likely still in cache.
-        self._free_slabs = list(range(num_slabs - 1, -1, -1))
-        # Guards the free list and every object's counts; never held across a copy.
+        # Free runs: first page -> length, the first pages sorted, and last
+        # page + 1 -> first page, to coalesce a freed run with both neighbours.
+        self._run_length: dict[int, int] = {0: num_pages}
+        self._run_starts: list[int] = [0]
+        self._run_ends: dict[int, int] = {num_pages: 0}
+        self._free_pages = num_pages
+        # Guards the free runs and every object's counts; never held across a copy.
         self._lock = threading.Lock()
 
     @property
     def capacity_bytes(self) -> int:
-        """Bytes the arena can hand out (all slabs)."""
-        return self.num_slabs * self.slab_bytes
+        """Bytes the arena can hand out (all pages)."""
+        return self.num_pages * self.page_bytes
+
+    @property
+    def num_slabs(self) -> int:
+        """Largest objects the empty arena holds."""
+        return self.num_pages // self.pages_per_slab
 
     @property
     def free_slabs(self) -> int:
-        """Slabs not in use."""
-        return len(self._free_slabs)
+        """Largest objects that fit in the free runs now."""
+        with self._lock:
+            return sum(length // self.pages_per_slab for length in self._run_length.values())
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes of pages not in use (free runs may be too short for a large object)."""
+        return self._free_pages * self.page_bytes
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of slabs in use (whole slabs, however little of each is filled)."""
-        return (self.num_slabs - len(self._free_slabs)) * self.slab_bytes
+        """Bytes of pages in use (whole pages, however little of the last is filled)."""
+        return (self.num_pages - self._free_pages) * self.page_bytes
+
+    @property
+    def free_runs(self) -> int:
+        """Separate runs of free pages: 1 for an empty arena; more means fragmented."""
+        return len(self._run_starts)
 
     def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> MemoryObj | None:
         """An object whose `MemoryObj.tensor` has ``shape`` and ``dtype``, or ``None`` when full.
@@ -209,12 +275,16 @@ class MemoryArena:
         if any(d < 0 for d in shape):
             raise ValueError(f"negative dimension in shape {shape}")
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        slab = self._take_slab(nbytes)
-        if slab is None:
+        if nbytes > self.slab_bytes:
+            raise ValueError(f"object of {nbytes} B does not fit a slab of {self.slab_bytes} B; "
+                             "raise slab_bytes to at least one full chunk")
+        pages = max(1, -(-nbytes // self.page_bytes))
+        first = self._take_run(pages)
+        if first is None:
             return None
-        start = slab * self.slab_bytes
+        start = first * self.page_bytes
         tensor = self.buffer[start:start + nbytes].view(dtype).view(shape)
-        return MemoryObj(self, slab, tensor, nbytes)
+        return MemoryObj(self, first, pages, tensor, nbytes)
 
     def allocate_bytes(self, nbytes: int) -> MemoryObj | None:
         """An object for an encoded payload of ``nbytes`` bytes, or ``None`` when full.
@@ -229,20 +299,49 @@ class MemoryArena:
             obj.meta["encoded_len"] = nbytes
         return obj
 
-    def _take_slab(self, nbytes: int) -> int | None:
-        if nbytes > self.slab_bytes:
-            raise ValueError(f"object of {nbytes} B does not fit a slab of {self.slab_bytes} B; "
-                             "raise slab_bytes to at least one full chunk")
+    def _take_run(self, pages: int) -> int | None:
+        """The first page of ``pages`` free pages, taken from the first free run long enough."""
         with self._lock:
-            return self._free_slabs.pop() if self._free_slabs else None
+            if pages > self._free_pages:
+                return None
+            for index, first in enumerate(self._run_starts):
+                length = self._run_length[first]
+                if length < pages:
+                    continue
+                del self._run_length[first], self._run_ends[first + length]
+                if length == pages:
+                    del self._run_starts[index]
+                else:
+                    rest = first + pages
+                    self._run_starts[index] = rest  # still sorted: rest < the next run's first page
+                    self._run_length[rest] = length - pages
+                    self._run_ends[first + length] = rest
+                self._free_pages -= pages
+                return first
+            return None
 
-    def _release(self, slab: int) -> None:
+    def _release(self, first: int, pages: int) -> None:
         # Called with self._lock held, by MemoryObj.ref_down.
-        self._free_slabs.append(slab)
+        self._free_pages += pages
+        end = first + pages
+        before = self._run_ends.pop(first, None)  # a free run ending where this one starts
+        if before is not None:
+            del self._run_starts[bisect.bisect_left(self._run_starts, before)]
+            pages += self._run_length.pop(before)
+            first = before
+        after = self._run_length.pop(end, None)  # a free run starting where this one ends
+        if after is not None:
+            del self._run_starts[bisect.bisect_left(self._run_starts, end)]
+            del self._run_ends[end + after]
+            pages += after
+        bisect.insort(self._run_starts, first)
+        self._run_length[first] = pages
+        self._run_ends[first + pages] = first
 
     def __repr__(self) -> str:
-        return (f"<MemoryArena {self.num_slabs} x {self.slab_bytes} B on {self.device}"
-                f"{' pinned' if self.pinned else ''}, {self.free_slabs} free>")
+        return (f"<MemoryArena {self.num_pages} x {self.page_bytes} B pages ({self.num_slabs} slabs of "
+                f"{self.slab_bytes} B) on {self.device}{' pinned' if self.pinned else ''}, "
+                f"{self.free_bytes} B free in {self.free_runs} runs>")
 
 
 # --------------------------------------------------------------------------
@@ -256,7 +355,7 @@ class MemoryTierStats:
 
     #: entries held
     entries: int
-    #: bytes of slabs in use in the arena (tier entries and objects still being filled)
+    #: bytes of pages in use in the arena (tier entries and objects still being filled)
     used_bytes: int
     #: bytes the arena can hold
     capacity_bytes: int
@@ -451,7 +550,7 @@ class MemoryTier:
             return obj
         with self._lock:
             while True:
-                # Another thread may have freed a slab since the first try.
+                # Another thread may have freed pages since the first try.
                 obj = allocate()
                 if obj is not None:
                     return obj

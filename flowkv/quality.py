@@ -330,7 +330,7 @@ def measure(
     longest = max(len(p) for p in prompt_ids)
     max_model_len = 128 * math.ceil((longest + max_tokens + 1) / 128)
     per_token = _kv_bytes_per_token(model)
-    # vLLM's pool: one prompt at a time; flowkv's: every prompt once per codec, raw slabs.
+    # vLLM's pool: one prompt at a time; flowkv's: every prompt once per codec, raw-sized.
     pool_bytes = max(64 << 20, 4 * max_model_len * per_token)
     tier_bytes = 2 * len(codecs) * len(prompt_ids) * (longest + pipeline.chunk_size) * per_token
     if not user_kv_space:

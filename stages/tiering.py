@@ -1,7 +1,7 @@
 """Stages that talk to tiers: allocate and put on the store side, lookup and get on retrieve.
 
 Tiers are walked in the order the pipeline file declares them. The memory
-tier holds ``MemoryObj`` slabs (raw KV, or an encoded payload when a codec ran
+tier holds ``MemoryObj``s (raw KV, or an encoded payload when a codec ran
 before ``put``); slower tiers hold encoded payloads and are reached through
 the engine, which bounds every call and skips a tier that fails.
 """
@@ -19,7 +19,7 @@ from flowkv.registry import stage, tier
 
 @attrs.frozen(kw_only=True)
 class MemoryTierConfig:
-    """``[tiers.NAME] kind = "memory"``: a pre-allocated arena of chunk-sized slabs."""
+    """``[tiers.NAME] kind = "memory"``: a pre-allocated arena; each entry costs its bytes in 4 KiB pages."""
 
     capacity: int = 1 << 30  # bytes; "4GiB" in the file
     eviction: Literal["lru"] = "lru"
@@ -34,10 +34,10 @@ class MemoryTierKind:
 
 @stage("allocate", kinds=("store",), needs={"key"}, gives={"buffer"})
 def allocate(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
-    """Give each chunk to store a memory slab; stop the run when memory is full.
+    """Give each chunk to store room in memory for its raw KV; stop the run when memory is full.
 
     Chunks the engine already holds (masked) or the memory tier already has
-    are dropped. When no slab is free even after eviction, the run stops and
+    are dropped. When there is no room even after eviction, the run stops and
     keeps what it stored so far (backpressure: never wait on memory).
 
     TOML::
@@ -142,7 +142,7 @@ def lookup(
 def get(chunks: Iterator[Chunk], *, ctx: RunContext, promote: bool = True) -> Iterator[Chunk]:
     """Read each hit chunk's data from the tier that holds it.
 
-    A memory hit hands over its slab (raw KV, or an encoded payload); a hit
+    A memory hit hands over its object (raw KV, or an encoded payload); a hit
     in a slower tier is read (waiting for its prefetch when one is running)
     and, with ``promote`` on, copied into memory. A chunk that is gone since
     lookup ends the run: what came before is the longest good prefix, and the

@@ -11,7 +11,7 @@ from flowkv.registry import stage
 
 @stage("gather", kinds=("store",), needs={"buffer"}, gives={"kv"}, per_layer=True)
 def gather(chunks: Iterator[Chunk], *, ctx: RunContext, impl: str | None = None) -> Iterator[Chunk]:
-    """Copy each chunk's KV out of the paged cache (all layers, one kernel call) into its slab.
+    """Copy each chunk's KV out of the paged cache (all layers, one kernel call) into its memory object.
 
     ``impl`` forces the kernel: "torch" or "triton" (CUDA); default picks.
 

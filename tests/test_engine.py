@@ -409,16 +409,15 @@ def test_other_model_rank_or_tags_get_no_hit(tmp_path):
 
 
 def slab_bytes(g: KVGeometry) -> int:
-    from flowkv.engine import _SLAB_MARGIN
-
-    return -(-(g.token_bytes * CHUNK + _SLAB_MARGIN) // 64) * 64
+    """What one raw chunk costs in memory: whole 4 KiB pages."""
+    return -(-(g.token_bytes * CHUNK) // 4096) * 4096
 
 
 @pytest.mark.parametrize("pipeline", ["local-cpu", "local-cpu-lz4"])
 def test_a_full_arena_stops_store_without_error_and_keeps_the_prefix(pipeline):
     g = geometry()
     e = engine(pipeline, g=g, **{"tiers.memory.capacity": 3 * slab_bytes(g)})
-    src = compressible_kv(g, seed=1)
+    src = random_bits_kv(g, seed=1)  # lz4 cannot shrink it: every chunk takes a whole slab
     dst = make_paged_kv(g, NUM_BLOCKS, seed=2, fill=False)
     ids = tokens()
     slots = random_slot_mapping(NUM_TOKENS, g, NUM_BLOCKS, seed=3)
@@ -429,10 +428,34 @@ def test_a_full_arena_stops_store_without_error_and_keeps_the_prefix(pipeline):
     ret_mask = e.retrieve(ids, kv_caches=dst, slot_mapping=slots)
     assert int(ret_mask.sum()) == stored and ret_mask[:stored].all()
     assert_loaded_exactly(src, dst, g, slots, ret_mask)
-    # Three slabs hold three chunks, raw or encoded.
+    # Room for three raw chunks holds three incompressible chunks.
     assert stored == 3 * CHUNK
     assert e.stats()["store_backpressure_stops"] == 1
     assert e.is_healthy()
+
+
+def test_compressed_chunks_cost_only_their_bytes_so_memory_holds_more():
+    """Room for three raw chunks: raw KV fills it with three, lz4 holds all four and the partial one."""
+    g = geometry()
+    capacity = 3 * slab_bytes(g)
+    src = make_paged_kv(g, NUM_BLOCKS, seed=1)
+    for layer in src:  # each head's vector one repeated value: lz4 shrinks it several-fold
+        layer.copy_(torch.round(layer.float()[..., :1] * 4).expand(layer.shape))
+    ids = tokens()
+    slots = random_slot_mapping(NUM_TOKENS, g, NUM_BLOCKS, seed=3)
+    raw = engine("local-cpu", g=g, save_partial_chunks=True, **{"tiers.memory.capacity": capacity})
+    assert raw.store(ids, kv_caches=src, slot_mapping=slots) == 3 * CHUNK
+
+    e = engine("local-cpu-lz4", g=g, save_partial_chunks=True, **{"tiers.memory.capacity": capacity})
+    assert e.store(ids, kv_caches=src, slot_mapping=slots) == NUM_TOKENS
+    memory = e.stats()["tiers"]["memory"]
+    assert len(encoded_entries(e)) == memory["entries"] == 5
+    raw_bytes = NUM_TOKENS * g.token_bytes
+    assert memory["used_bytes"] < raw_bytes / 2, (memory["used_bytes"], raw_bytes)
+    dst = make_paged_kv(g, NUM_BLOCKS, seed=2, fill=False)
+    ret_mask = e.retrieve(ids, kv_caches=dst, slot_mapping=slots)
+    assert ret_mask.all()
+    assert_loaded_exactly(src, dst, g, slots, ret_mask)
 
 
 def test_eviction_between_lookup_and_retrieve_shrinks_the_mask():

@@ -68,7 +68,7 @@ def test_arena_full_returns_none_and_free_makes_room():
 def test_arena_views_have_shape_dtype_and_do_not_overlap():
     arena = MemoryArena(parse_size("64KiB"), slab_bytes=SLAB)
     a = arena.allocate(CHUNK_SHAPE, torch.float32)
-    b = arena.allocate((3, 7), torch.bfloat16)  # a partial chunk takes a whole slab too
+    b = arena.allocate((3, 7), torch.bfloat16)  # a partial chunk takes only the pages it needs
     assert a.tensor.shape == CHUNK_SHAPE and a.tensor.dtype == torch.float32
     assert b.tensor.shape == (3, 7) and b.tensor.dtype == torch.bfloat16
     assert a.nbytes == 4096 and b.nbytes == 42
@@ -89,6 +89,98 @@ def test_arena_rounds_slabs_to_alignment_and_refuses_bad_sizes():
         MemoryArena("1GiB", slab_bytes=0)
     with pytest.raises(ValueError):
         arena.allocate((-1, 4), torch.uint8)
+
+
+def test_small_objects_take_pages_not_slabs():
+    arena = MemoryArena(2 * SLAB, slab_bytes=SLAB, page_bytes=1024)
+    assert (arena.page_bytes, arena.pages_per_slab, arena.num_pages) == (1024, 4, 8)
+    quarter = [arena.allocate((1024,), torch.uint8) for _ in range(5)]  # five quarter-slab objects
+    assert all(q is not None for q in quarter)
+    assert arena.used_bytes == 5 * 1024 and arena.free_slabs == 0  # 3 pages left: no whole slab
+    assert arena.allocate(CHUNK_SHAPE, torch.float32) is None
+    assert arena.allocate((1025,), torch.uint8) is not None  # two pages
+    assert arena.allocate((1,), torch.uint8) is not None  # the last page
+    assert arena.free_bytes == 0
+
+
+def test_freed_neighbours_coalesce_into_one_run():
+    arena = MemoryArena(2 * SLAB, slab_bytes=SLAB, page_bytes=1024)
+    objs = [arena.allocate((1024,), torch.uint8) for _ in range(8)]
+    for i in (1, 3, 2):  # free 1 and 3 (two runs), then 2 joins them
+        objs[i].ref_down()
+    assert arena.free_runs == 1 and arena.free_slabs == 0
+    objs[4].ref_down()
+    assert arena.free_runs == 1 and arena.free_slabs == 1
+    full = arena.allocate(CHUNK_SHAPE, torch.float32)
+    assert full is not None and full.tensor.data_ptr() == arena.buffer.data_ptr() + 1024
+    objs[0].ref_down()
+    objs[7].ref_down()
+    assert arena.free_runs == 2 and arena.free_bytes == 2048
+
+
+def test_fragmented_arena_refuses_an_object_longer_than_any_free_run():
+    arena = MemoryArena(2 * SLAB, slab_bytes=SLAB, page_bytes=1024)
+    objs = [arena.allocate((1024,), torch.uint8) for _ in range(8)]
+    for obj in objs[::2]:
+        obj.ref_down()
+    assert arena.free_bytes == SLAB and arena.free_runs == 4
+    assert arena.allocate((2048,), torch.uint8) is None  # four free pages, none adjacent
+
+
+def test_tier_evicts_until_one_run_is_long_enough():
+    tier = MemoryTier(MemoryArena(2 * SLAB, slab_bytes=SLAB, page_bytes=1024))
+    for i in range(8):
+        obj = tier.allocate((1024,), torch.uint8)
+        assert tier.put(f"k{i}", obj)
+        obj.ref_down()
+    held = tier.get("k1")  # in use: not evictable, and splits the arena
+    obj = tier.allocate(CHUNK_SHAPE, torch.float32)
+    assert obj is not None
+    # k0 alone (before k1) was too short; the next four in LRU order after it made a slab.
+    assert tier.stats().evictions == 5 and "k1" in tier and "k0" not in tier
+    held.ref_down()
+    obj.ref_down()
+
+
+def test_shrink_gives_the_tail_pages_back_and_keeps_the_bytes():
+    arena = MemoryArena(2 * SLAB, slab_bytes=SLAB, page_bytes=1024)
+    obj = arena.allocate(CHUNK_SHAPE, torch.float32)
+    obj.view_bytes()[:1500] = bytes(range(250)) * 6
+    obj.shrink_to_bytes(1500)
+    assert obj.tensor.dtype == torch.uint8 and obj.tensor.shape == (1500,) and obj.nbytes == 1500
+    assert bytes(obj.view_bytes()) == bytes(range(250)) * 6
+    assert arena.used_bytes == 2048 and arena.free_slabs == 1
+    obj.ref_up()
+    with pytest.raises(RuntimeError, match="only reference"):
+        obj.shrink_to_bytes(10)
+    obj.ref_down()
+    with pytest.raises(ValueError):
+        obj.shrink_to_bytes(1501)
+    obj.ref_down()
+    assert arena.free_bytes == arena.capacity_bytes and arena.free_runs == 1
+
+
+def test_random_allocations_never_overlap_and_account_every_page():
+    arena = MemoryArena(8 * SLAB, slab_bytes=SLAB, page_bytes=256)
+    rng = random.Random(7)
+    live: list = []
+    for _ in range(3000):
+        if live and rng.random() < 0.45:
+            live.pop(rng.randrange(len(live))).ref_down()
+            continue
+        obj = arena.allocate((rng.randint(1, SLAB),), torch.uint8)
+        if obj is None:
+            continue
+        if rng.random() < 0.3:
+            obj.shrink_to_bytes(rng.randint(0, obj.nbytes))
+        live.append(obj)
+        spans = sorted((o.tensor.data_ptr(), o.tensor.data_ptr() + max(o.nbytes, 1)) for o in live)
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), "two objects overlap"
+        pages = sum(-(-max(o.nbytes, 1) // 256) for o in live)
+        assert arena.used_bytes == pages * 256
+    for obj in live:
+        obj.ref_down()
+    assert arena.free_runs == 1 and arena.free_bytes == arena.capacity_bytes
 
 
 def test_pin_memory_request_is_honoured_only_with_cuda():

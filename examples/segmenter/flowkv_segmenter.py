@@ -64,7 +64,7 @@ def segment(
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     keep_open_tail = ctx.kind != "store" or ctx.engine.save_partial_chunks
-    # A chunk must fit one memory slab, which holds chunk_size tokens.
+    # A chunk must fit the largest memory object, which holds chunk_size tokens.
     limit = min(max_tokens, ctx.engine.chunk_size)
     for request in requests:
         tokens = request.tokens.tolist()

@@ -8,7 +8,7 @@ size 16 (layout ``cpu``), and ``--tokens`` tokens (default 8,192, i.e.
   against a plain ``torch`` copy of the same number of bytes between two
   contiguous tensors — the ratio is the figure that matters;
 - the pipeline's own overhead: the same kernel calls in a hand-fused loop
-  (hash, then per chunk allocate + gather into the slab + memory-tier put;
+  (hash, then per chunk allocate + gather into its memory object + memory-tier put;
   retrieve: memory get + scatter), without stages, items or a runner;
 - hashing throughput of every chunk hash function (Mtokens/s);
 - lookup latency for a 32k-token prompt: a hit (its chunk keys hashed, and
