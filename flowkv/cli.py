@@ -57,22 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
             bparser.set_defaults(func=_unavailable(name, module))
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
 
-    try:
-        from flowkv import tracetools
-    except ImportError:
-        tracetools = None
-    if tracetools is not None and hasattr(tracetools, "add_commands"):
-        tracetools.add_commands(sub)
-    from flowkv import quality; quality.add_commands(sub)  # noqa: E702 - the one-line hook for `flowkv quality`
+    from flowkv import demo as demo_module
+    from flowkv import quality, tracetools
 
+    tracetools.add_commands(sub)
+    quality.add_commands(sub)
     demo = sub.add_parser("demo", help="the main job: vLLM with flowkv on a long-document QA workload")
-    try:
-        from flowkv import demo as demo_module
-
-        demo_module.add_arguments(demo)
-        demo.set_defaults(func=demo_module.run)
-    except ImportError as exc:
-        demo.set_defaults(func=_unavailable("demo", f"flowkv.demo ({exc})"))
+    demo_module.add_arguments(demo)
+    demo.set_defaults(func=demo_module.run)
     return parser
 
 
@@ -95,21 +87,22 @@ def _unavailable(name: str, module: str):
 
 
 def _load(source: str):
+    """(the pipeline, None) or (None, [every error as FILE:LINE:COL: message])."""
     from flowkv.pipeline import PipelineError, load_pipeline
 
     try:
         return load_pipeline(source), None
     except PipelineError as exc:
-        return None, str(exc)
+        return None, [str(d) for d in exc.diagnostics]
     except FileNotFoundError as exc:
-        return None, f"{source}: {exc}"
+        return None, [f"{source}: {exc}"]
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
     pipeline, errors = _load(args.source)
     if pipeline is None:
-        print(errors, file=sys.stderr)
-        count = errors.count("\n") + 1
+        print("\n".join(errors), file=sys.stderr)
+        count = len(errors)
         print(f"{args.source}: {count} error{'s' if count > 1 else ''}", file=sys.stderr)
         return 1
     print(f"{pipeline.source}: ok ({len(pipeline.store)} store, {len(pipeline.retrieve)} retrieve, "
@@ -150,20 +143,21 @@ def describe(pipeline) -> dict[str, Any]:
         "layerwise": plain(pipeline.layerwise),
         "telemetry": plain(pipeline.telemetry),
         "vllm": plain(pipeline.vllm),
+        "quality": plain(pipeline.quality),
     }
 
 
 def cmd_show(args: argparse.Namespace) -> int:
     pipeline, errors = _load(args.source)
     if pipeline is None:
-        print(errors, file=sys.stderr)
+        print("\n".join(errors), file=sys.stderr)
         return 1
     info = describe(pipeline)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
     print(f"# {info['source']}")
-    for section in ("pipeline", "layerwise", "telemetry", "vllm"):
+    for section in ("pipeline", "layerwise", "telemetry", "vllm", "quality"):
         print(f"[{section}]")
         for key, value in info[section].items():
             print(f"  {key} = {value!r}")
