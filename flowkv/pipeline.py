@@ -423,9 +423,8 @@ class _Loader:
     def check_quality_gate(self, quality: QualitySpec, store: tuple[StageSpec, ...]) -> None:
         from flowkv.quality import check_gate
 
-        base_dir = Path(self.file).parent if self.file != "<string>" else Path.cwd()
         for problem in check_gate(store, min_agreement=quality.min_agreement, record=quality.record,
-                                  base_dir=base_dir):
+                                  source=self.file):
             self.error(("quality", "min_agreement"), problem, "quality")
 
     def structure_table(self, raw: dict[str, Any], key: str, cls: type) -> Any:

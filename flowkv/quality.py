@@ -75,6 +75,7 @@ __all__ = [
     "load_record",
     "measure",
     "quality_compress",
+    "record_path",
 ]
 
 #: Version of the quality record's JSON layout.
@@ -111,6 +112,11 @@ def codec_settings(store_stages: Sequence[Any]) -> list[tuple[str, dict[str, Any
     return found
 
 
+def _lossy_codecs(store_stages: Sequence[Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The entries of ``codec_settings`` whose codec is lossy: what the gate holds to a record."""
+    return [(c, p) for c, p in codec_settings(store_stages) if not get_codec(c).lossless]
+
+
 def _describe(codec: str, params: Mapping[str, Any]) -> str:
     return codec + ("" if not params else " " + json.dumps(dict(params), sort_keys=True))
 
@@ -135,22 +141,35 @@ def load_record(path: str | os.PathLike[str]) -> dict[str, Any]:
     return record
 
 
+def record_path(record: str, source: str) -> Path:
+    """Where a ``[quality] record`` of the pipeline loaded from `source` is.
+
+    ``~`` is expanded; a relative path is taken from the pipeline file's
+    folder, or from the working directory for a pipeline loaded from a
+    string (`source` ``"<string>"``).
+    """
+    path = Path(record).expanduser()
+    if not path.is_absolute():
+        path = (Path(source).parent if source != "<string>" else Path.cwd()) / path
+    return path
+
+
 def check_gate(
     store_stages: Sequence[Any],
     *,
     min_agreement: float,
     record: str | None,
-    base_dir: Path,
+    source: str,
 ) -> list[str]:
     """Why a pipeline with these store stages fails ``[quality] min_agreement``; empty when it passes.
 
-    Only lossy codecs are gated. `record` is resolved against `base_dir`
-    (the pipeline file's folder) unless absolute; ``~`` is expanded.
+    Only lossy codecs are gated. `source` is the pipeline file (or
+    ``"<string>"``): `record` is found as ``record_path`` says.
     """
     if not 0.0 <= min_agreement <= 1.0:
         return [f"[quality] min_agreement must be between 0 and 1, got {min_agreement}"]
     try:
-        lossy = [(c, p) for c, p in codec_settings(store_stages) if not get_codec(c).lossless]
+        lossy = _lossy_codecs(store_stages)
     except ValueError as exc:  # an unknown codec or parameter: nothing to look up in a record
         return [f"[quality] cannot gate this pipeline's codecs: {exc}"]
     if not lossy:
@@ -159,9 +178,7 @@ def check_gate(
     if record is None:
         return [f"[quality] min_agreement needs a measurement of lossy codec(s) {names}: set "
                 f"record = \"PATH\" to a record written by 'flowkv quality PIPELINE --out PATH'"]
-    path = Path(record).expanduser()
-    if not path.is_absolute():
-        path = base_dir / path
+    path = record_path(record, source)
     if not path.exists():
         return [f"[quality] no quality record at {path} for lossy codec(s) {names}: "
                 f"write it with 'flowkv quality PIPELINE --out {path}'"]
@@ -197,9 +214,9 @@ def check_served_model(pipeline: Any, model: str) -> str | None:
     quality = pipeline.quality
     if quality.min_agreement is None or quality.record is None:
         return None
-    if all(get_codec(c).lossless for c, _ in codec_settings(pipeline.store)):
+    if not _lossy_codecs(pipeline.store):
         return None
-    path = _record_path(pipeline)
+    path = record_path(quality.record, pipeline.source)
     record = load_record(path)
     config = Path(model).expanduser() / "config.json"
     if not config.is_file():
@@ -468,7 +485,7 @@ def run(args: argparse.Namespace) -> int:
                      max_tokens=args.max_tokens, codecs=codecs)
     out = args.out
     if out is None and pipeline.quality.record:
-        out = str(_record_path(pipeline))
+        out = str(record_path(pipeline.quality.record, pipeline.source))
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
@@ -480,13 +497,6 @@ def run(args: argparse.Namespace) -> int:
     if minimum is not None and any(not r["lossless"] and r["agreement"] < minimum for r in record["codecs"]):
         return 1
     return 0
-
-
-def _record_path(pipeline: Any) -> Path:
-    path = Path(pipeline.quality.record).expanduser()
-    if not path.is_absolute() and pipeline.source != "<string>":
-        path = Path(pipeline.source).parent / path
-    return path
 
 
 def _print(record: dict[str, Any], out: str | None, minimum: float | None) -> None:

@@ -358,3 +358,13 @@ def test_ungated_or_lossless_pipelines_check_no_model(tmp_path):
     assert check_served_model(load_pipeline(write(tmp_path, pipeline_text("int8"))), "anything") is None
     lossless = load_pipeline(write(tmp_path, pipeline_text("zstd", quality=GATE), record([("int8", INT8_PARAMS, 0.9)])))
     assert check_served_model(lossless, "anything") is None
+
+
+def test_record_path_is_taken_from_the_pipeline_files_folder(tmp_path, monkeypatch):
+    from flowkv.quality import record_path
+
+    assert record_path("q.json", str(tmp_path / "p.toml")) == tmp_path / "q.json"
+    assert record_path("/abs/q.json", str(tmp_path / "p.toml")) == Path("/abs/q.json")
+    assert record_path("~/q.json", str(tmp_path / "p.toml")) == Path.home() / "q.json"
+    monkeypatch.chdir(tmp_path)
+    assert record_path("q.json", "<string>") == tmp_path / "q.json"
