@@ -143,7 +143,7 @@ class LayerwiseStore(LayerwiseRun):
 
     def __init__(self, engine: CacheEngine, request: Request) -> None:
         super().__init__(engine, request, "store")
-        self.started = False
+        self.head_done = False  # the head (find and allocate the chunks) runs at the first layer_ready
         self.skipped = not engine.is_healthy()
 
     def layer_ready(self, layer: int) -> None:
@@ -151,8 +151,8 @@ class LayerwiseStore(LayerwiseRun):
         engine = self.engine
         if self.skipped:
             return
-        if not self.started:
-            self.started = True
+        if not self.head_done:
+            self.head_done = True
             items = engine._run_with(engine.segments[("store", "head")], [self.request], self.ctx,
                                      parent=self.span)
             self.chunks = [c for c in items if isinstance(c, Chunk)]

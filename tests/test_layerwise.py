@@ -4,6 +4,7 @@ the all-layers rule for hits, and one span per stage per layer."""
 from __future__ import annotations
 
 import textwrap
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -34,6 +35,13 @@ def make_engine(g: KVGeometry, pipeline: str = "local-cpu", **overrides) -> Cach
 
 def read_back(caches, g: KVGeometry, slots: torch.Tensor) -> torch.Tensor:
     return gather(caches, g, slots, torch.empty(g.chunk_shape(len(slots)), dtype=g.dtype))
+
+
+def paged_request(g: KVGeometry, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """A filled source cache, an empty destination, N tokens and their slots (seeds seed, seed+1, seed+2)."""
+    src = make_paged_kv(g, BLOCKS, seed=seed)
+    dst = make_paged_kv(g, BLOCKS, seed=seed + 1, fill=False)
+    return src, dst, torch.arange(N), random_slot_mapping(N, g, BLOCKS, seed=seed + 2)
 
 
 @pytest.mark.parametrize("layout", ["cpu", "flash_kv_nhd", "flash_blocks_hnd", "mla"])
@@ -72,10 +80,7 @@ def test_layerwise_round_trip_equals_whole_request(layout: str) -> None:
 
 def test_each_layer_lands_by_its_wait() -> None:
     g = geometry()
-    src = make_paged_kv(g, BLOCKS, seed=3)
-    dst = make_paged_kv(g, BLOCKS, seed=4, fill=False)
-    tokens = torch.arange(N)
-    slots = random_slot_mapping(N, g, BLOCKS, seed=5)
+    src, dst, tokens, slots = paged_request(g, seed=3)
     engine = make_engine(g)
     engine.store(tokens, kv_caches=src, slot_mapping=slots)
     retrieve = engine.retrieve_layerwise(tokens, kv_caches=dst, slot_mapping=slots)
@@ -106,10 +111,7 @@ def test_missing_layer_of_one_chunk_shrinks_the_mask_there(tmp_path) -> None:
     )
     pipeline.write_text(body)
     g = geometry()
-    src = make_paged_kv(g, BLOCKS, seed=6)
-    dst = make_paged_kv(g, BLOCKS, seed=7, fill=False)
-    tokens = torch.arange(N)
-    slots = random_slot_mapping(N, g, BLOCKS, seed=8)
+    src, dst, tokens, slots = paged_request(g, seed=6)
     engine = make_engine(g, str(pipeline))
     engine.store(tokens, kv_caches=src, slot_mapping=slots)
     assert engine.lookup(tokens) == 5 * CHUNK
@@ -123,9 +125,7 @@ def test_missing_layer_of_one_chunk_shrinks_the_mask_there(tmp_path) -> None:
 
 def test_layerwise_store_keeps_only_chunks_with_every_layer() -> None:
     g = geometry()
-    src = make_paged_kv(g, BLOCKS, seed=10)
-    tokens = torch.arange(N)
-    slots = random_slot_mapping(N, g, BLOCKS, seed=11)
+    src, _, tokens, slots = paged_request(g, seed=10)
     engine = make_engine(g)
     handle = engine.store_layerwise(tokens, kv_caches=src, slot_mapping=slots)
     for layer in range(g.num_layers - 1):  # the last layer never arrives
@@ -137,9 +137,7 @@ def test_layerwise_store_keeps_only_chunks_with_every_layer() -> None:
 
 def test_aborted_layerwise_store_frees_its_slabs() -> None:
     g = geometry()
-    src = make_paged_kv(g, BLOCKS, seed=12)
-    tokens = torch.arange(N)
-    slots = random_slot_mapping(N, g, BLOCKS, seed=13)
+    src, _, tokens, slots = paged_request(g, seed=12)
     engine = make_engine(g)
     free_before = engine.memory.arena.free_slabs
     handle = engine.store_layerwise(tokens, kv_caches=src, slot_mapping=slots)
@@ -172,10 +170,7 @@ def test_layerwise_needs_a_per_layer_stage(tmp_path) -> None:
 def test_layerwise_spans_carry_the_layer_and_waits(tmp_path) -> None:
     folder = tmp_path / "traces"
     g = geometry()
-    src = make_paged_kv(g, BLOCKS, seed=14)
-    dst = make_paged_kv(g, BLOCKS, seed=15, fill=False)
-    tokens = torch.arange(N)
-    slots = random_slot_mapping(N, g, BLOCKS, seed=16)
+    src, dst, tokens, slots = paged_request(g, seed=14)
     engine = make_engine(g, **{"telemetry.exporter": "file", "telemetry.folder": str(folder)})
     engine.store(tokens, kv_caches=src, slot_mapping=slots, request_id="req-1")
     engine.retrieve(tokens, kv_caches=dst, slot_mapping=slots, request_id="req-2")
@@ -194,3 +189,18 @@ def test_layerwise_spans_carry_the_layer_and_waits(tmp_path) -> None:
         root = by_id[span.parent_span_id]
         assert root.name == "flowkv.retrieve" and root.parent_span_id in request_spans
         assert span.attributes["flowkv.request_id"] == "req-2"
+
+
+def test_layerwise_latencies_cover_only_their_own_call() -> None:
+    g = geometry()
+    src, dst, tokens, slots = paged_request(g, seed=17)
+    engine = make_engine(g)
+    before = time.perf_counter()
+    engine.store(tokens, kv_caches=src, slot_mapping=slots)
+    engine.retrieve(tokens, kv_caches=dst, slot_mapping=slots)
+    elapsed_ms = (time.perf_counter() - before) * 1e3
+    latencies = engine.drain_latencies()
+    # Each observation is the call's own span, so it is no longer than both calls together.
+    for kind in ("store", "retrieve"):
+        [ms] = latencies[kind]
+        assert 0 < ms <= elapsed_ms, (kind, ms, elapsed_ms)
