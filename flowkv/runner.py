@@ -171,7 +171,7 @@ class _StageState:
     """One stage's span and counters during one traced run."""
 
     __slots__ = ("bound", "span", "span_context", "tracer", "parent", "attributes", "recorded",
-                 "total_ns", "items_out", "error", "ended", "kind")
+                 "error", "ended", "kind")
 
     def __init__(self, bound: BoundStage, tracer: trace.Tracer, parent: Any, kind: str,
                  attributes: dict[str, Any]) -> None:
@@ -183,8 +183,6 @@ class _StageState:
         self.span: trace.Span | None = None
         self.span_context: Any = None
         self.recorded: dict[str, Any] = {}
-        self.total_ns = 0
-        self.items_out = 0
         self.error: BaseException | None = None
         self.ended = False
 
@@ -203,7 +201,7 @@ class _StageState:
 class _Step:
     """The iterator between two stages: times and traces the stage that produces into it."""
 
-    __slots__ = ("generator", "state", "ctx", "upstream", "total_ns", "items_out", "finished")
+    __slots__ = ("generator", "state", "ctx", "upstream", "total_ns", "items_out")
 
     def __init__(self, generator: Iterator[Any], state: _StageState | None, ctx: RunContext,
                  upstream: _Step | None = None) -> None:
@@ -213,7 +211,6 @@ class _Step:
         self.upstream = upstream
         self.total_ns = 0
         self.items_out = 0
-        self.finished = False
 
     def __iter__(self) -> _Step:
         return self
@@ -228,11 +225,7 @@ class _Step:
                 raise
             except BaseException as exc:
                 # Mark it here, or stage 0's step would take the source's failure for its own.
-                if getattr(exc, "__flowkv_failed_step__", None) is None:
-                    try:
-                        exc.__flowkv_failed_step__ = self  # type: ignore[attr-defined]
-                    except (AttributeError, TypeError):
-                        pass
+                _mark_failed(exc, self)
                 raise
             finally:
                 self.total_ns += time.perf_counter_ns() - start
@@ -250,11 +243,7 @@ class _Step:
             self.finish()
             raise
         except BaseException as exc:
-            if getattr(exc, "__flowkv_failed_step__", None) is None:
-                try:
-                    exc.__flowkv_failed_step__ = self  # type: ignore[attr-defined]
-                except (AttributeError, TypeError):
-                    pass
+            if _mark_failed(exc, self):
                 state.error = exc
             raise
         finally:
@@ -299,6 +288,17 @@ class _Step:
             pass
         finally:
             span.end()
+
+
+def _mark_failed(exc: BaseException, step: _Step) -> bool:
+    """Tag ``exc`` with the step it first came out of; False when a step upstream already did."""
+    if getattr(exc, "__flowkv_failed_step__", None) is not None:
+        return False
+    try:
+        exc.__flowkv_failed_step__ = step  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        pass
+    return True
 
 
 def _blame(exc: BaseException, frames: dict[Any, BoundStage | None]) -> BaseException:
