@@ -91,7 +91,8 @@ class LayerwiseRun:
             done.append(chunk)
         return done
 
-    def close(self) -> None:
+    def settle(self) -> None:
+        """Wait until every queued layer block ran and its copies are done."""
         for future in self.futures.values():
             try:
                 future.result()
@@ -99,6 +100,9 @@ class LayerwiseRun:
                 pass
         if self.stream is not None:
             self.stream.synchronize()
+
+    def close(self) -> None:
+        self.settle()
         self.ctx.run_deferred()
         self.span.end()
         self.finished = True
@@ -170,13 +174,7 @@ class LayerwiseStore(LayerwiseRun):
             self.engine.count("skipped_unhealthy")
             self.close()
             return 0
-        for future in self.futures.values():
-            try:
-                future.result()
-            except Exception:
-                pass
-        if self.stream is not None:
-            self.stream.synchronize()
+        self.settle()
         complete = self.complete_prefix()
         items = self.engine._run_with(self.engine.segments[("store", "tail")], complete, self.ctx,
                                       parent=self.span) if complete else []
