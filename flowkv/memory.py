@@ -274,7 +274,7 @@ class MemoryArena:
         shape = tuple(int(d) for d in shape)
         if any(d < 0 for d in shape):
             raise ValueError(f"negative dimension in shape {shape}")
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize  # no tensor made per allocation
         if nbytes > self.slab_bytes:
             raise ValueError(f"object of {nbytes} B does not fit a slab of {self.slab_bytes} B; "
                              "raise slab_bytes to at least one full chunk")
