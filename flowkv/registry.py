@@ -274,37 +274,32 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
 
 def resolve_stage(name: str) -> StageInfo:
     """The stage a pipeline file names by ``use = "..."``."""
-    obj = _resolve(name, BUILTIN_STAGES, what="stage")
-    info = getattr(obj, "__flowkv_stage__", None)
-    if info is None:
-        raise RegistryError(
-            f"'{name}' names {obj!r}, which is not declared with @flowkv.stage", kind="misuse"
-        )
-    return info
+    return _resolve(name, BUILTIN_STAGES, what="stage", decorator="stage")
 
 
 def resolve_tier(name: str) -> TierInfo:
     """The tier kind a pipeline file names by ``kind = "..."``."""
-    obj = _resolve(name, BUILTIN_TIERS, what="tier kind")
-    info = getattr(obj, "__flowkv_tier__", None)
+    return _resolve(name, BUILTIN_TIERS, what="tier kind", decorator="tier")
+
+
+def _resolve(name: str, builtins: dict[str, str], *, what: str, decorator: str) -> Any:
+    """The info that ``@flowkv.<decorator>`` left on what ``name`` names."""
+    if ":" in name:
+        obj = _import_target(name, name)
+    elif name in builtins:
+        obj = _import_target(builtins[name], name)
+    else:
+        entry_points = _entry_points()
+        if name not in entry_points:
+            known = list(builtins) + list(entry_points)
+            raise RegistryError(f"unknown {what} '{name}'{did_you_mean(name, known)}", kind="unknown")
+        obj = _import_target(entry_points[name].value, name)
+    info = getattr(obj, f"__flowkv_{decorator}__", None)
     if info is None:
         raise RegistryError(
-            f"'{name}' names {obj!r}, which is not declared with @flowkv.tier", kind="misuse"
+            f"'{name}' names {obj!r}, which is not declared with @flowkv.{decorator}", kind="misuse"
         )
     return info
-
-
-def _resolve(name: str, builtins: dict[str, str], *, what: str) -> Any:
-    if ":" in name:
-        return _import_target(name, name)
-    if name in builtins:
-        return _import_target(builtins[name], name)
-    entry_points = _entry_points()
-    if name in entry_points:
-        ep = entry_points[name]
-        return _import_target(ep.value, name)
-    known = list(builtins) + list(entry_points)
-    raise RegistryError(f"unknown {what} '{name}'{did_you_mean(name, known)}", kind="unknown")
 
 
 def available() -> dict[str, list[tuple[str, str]]]:

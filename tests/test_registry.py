@@ -101,6 +101,17 @@ def test_dotted_names_missing_module_and_missing_attribute_differ():
     assert "pip install" not in str(missing_attr.value)
 
 
+def test_a_name_of_something_undeclared_says_which_decorator_it_lacks():
+    # A stage function is no tier kind and a tier class no stage: each names its own decorator.
+    with pytest.raises(RegistryError, match=r"not declared with @flowkv\.tier$") as not_tier:
+        resolve_tier("flowkv.stages.basic:take")
+    with pytest.raises(RegistryError, match=r"not declared with @flowkv\.stage$") as not_stage:
+        resolve_stage(BUILTIN_TIERS["disk"])
+    assert not_tier.value.kind == not_stage.value.kind == "misuse"
+    with pytest.raises(RegistryError, match="unknown tier kind 'dsik'; did you mean 'disk'"):
+        resolve_tier("dsik")
+
+
 def test_malformed_dotted_name():
     with pytest.raises(RegistryError, match="not of the form 'pkg.module:name'"):
         resolve_stage("flowkv.stages.basic:")
