@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from flowkv.items import Chunk, Request, RunContext
+from flowkv.keys import chunk_spans
 from flowkv.registry import stage
 
 
@@ -26,18 +27,11 @@ def tokenize(requests: Iterator[Request], *, ctx: RunContext) -> Iterator[Chunk]
     size = engine.chunk_size
     partial = ctx.kind != "store" or engine.save_partial_chunks
     for request in requests:
-        total = request.num_tokens
         masked = engine.masked_prefix(request)
-        ends = list(range(size, total + 1, size))
-        if partial and total % size:
-            ends.append(total)
-        start = 0
-        chunks = 0
-        for index, end in enumerate(ends):
-            chunks += 1
+        spans = chunk_spans(request.num_tokens, size, save_partial=partial)
+        for index, (start, end) in enumerate(spans):
             yield Chunk(request=request, index=index, start=start, end=end, skip=end <= masked)
-            start = end
-        ctx.record(chunks=chunks)
+        ctx.record(chunks=len(spans))
 
 
 @stage("chunk-hash", kinds=("store", "retrieve", "lookup"), needs={"span"}, gives={"key"})
