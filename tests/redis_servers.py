@@ -26,14 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import xxhash
+import torch
+
+from flowkv import payload
 
 __all__ = [
     "RedisServer",
     "TlsFiles",
     "make_payload",
     "own_redis_server",
-    "payload_verifier",
     "redis_cluster",
     "redis_server",
     "redis_tls_server",
@@ -277,26 +278,14 @@ def own_redis_server(tmp_path: Path):
 
 
 # -- payloads ------------------------------------------------------------------
-#
-# Tiers check each payload they read with flowkv.tiers.verify_payload, which
-# uses flowkv.payload's header and checksum. Tier tests build tiers with
-# verify=payload_verifier and this small framed format instead, so they test
-# the tiers' handling of corrupt data independently of the payload codec:
-# magic, body length, xxh3-64 of the body, body.
-
-_MAGIC = b"TPL1"
-_HEADER = 4 + 8 + 8
 
 
 def make_payload(nbytes: int, seed: int = 0) -> bytes:
-    """A payload of about ``nbytes`` whose integrity the tier can check."""
-    body = random.Random(seed).randbytes(max(0, nbytes - _HEADER))
-    return _MAGIC + len(body).to_bytes(8, "little") + xxhash.xxh3_64_digest(body) + body
+    """A real flowkv payload (raw uint8 body) of ``nbytes``, or just its header when ``nbytes`` is smaller."""
+    body = random.Random(seed).randbytes(max(0, nbytes - _HEADER_BYTES))
+    return payload.encode(torch.frombuffer(bytearray(body), dtype=torch.uint8) if body
+                          else torch.empty(0, dtype=torch.uint8))
 
 
-def payload_verifier(blob: bytes) -> bool:
-    """True when ``blob`` is an intact :func:`make_payload` payload."""
-    if len(blob) < _HEADER or blob[:4] != _MAGIC:
-        return False
-    body = memoryview(blob)[_HEADER:]
-    return int.from_bytes(blob[4:12], "little") == len(body) and xxhash.xxh3_64_digest(body) == blob[12:20]
+# A 1-D uint8 payload's header is the same length whatever its body's.
+_HEADER_BYTES = len(payload.encode(torch.empty(0, dtype=torch.uint8)))

@@ -12,7 +12,7 @@ import pytest
 from flowkv.registry import resolve_tier
 from flowkv.tiers import DiskTier, DiskTierConfig, GuardedTier
 from flowkv.tiers.disk import key_digest
-from redis_servers import make_payload, payload_verifier
+from redis_servers import make_payload
 
 pytestmark = pytest.mark.anyio
 
@@ -26,7 +26,7 @@ def anyio_backend() -> str:
 
 def disk_tier(path: Path, *, capacity: int = 1 << 20, **options) -> DiskTier:
     config = DiskTierConfig(path=str(path), capacity=capacity, **options)
-    return DiskTier(name="disk", config=config, verify=payload_verifier)
+    return DiskTier(name="disk", config=config)
 
 
 def chunk_key(i: int) -> str:

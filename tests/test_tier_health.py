@@ -14,7 +14,6 @@ from redis_servers import (  # noqa: F401 - fixtures are used by name
     free_port,
     make_payload,
     own_redis_server,
-    payload_verifier,
 )
 
 pytestmark = pytest.mark.anyio
@@ -43,7 +42,7 @@ class ManualClock:
 def redis_tier(url: str) -> RedisTier:
     # A socket timeout far beyond the guard's: only the guard can cut a hung call short.
     config = RedisTierConfig(url=url, namespace=f"health-{uuid.uuid4().hex[:8]}", socket_timeout_s=60.0)
-    return RedisTier(name="remote", config=config, verify=payload_verifier)
+    return RedisTier(name="remote", config=config)
 
 
 def chunk_key(i: int) -> str:

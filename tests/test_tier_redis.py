@@ -14,7 +14,6 @@ from redis_servers import (  # noqa: F401 - fixtures are used by name
     RedisServer,
     make_payload,
     own_redis_server,
-    payload_verifier,
     redis_cluster,
     redis_server,
     redis_tls_server,
@@ -33,7 +32,7 @@ def anyio_backend() -> str:
 def redis_tier(url: str, *, namespace: str | None = None, **options) -> RedisTier:
     # A fresh namespace per test: tests share the session's servers.
     config = RedisTierConfig(url=url, namespace=namespace or f"test-{uuid.uuid4().hex[:12]}", **options)
-    return RedisTier(name="remote", config=config, verify=payload_verifier)
+    return RedisTier(name="remote", config=config)
 
 
 def chunk_key(i: int) -> str:

@@ -42,13 +42,10 @@ hanging tier is skipped instead of stalling inference.
 from __future__ import annotations
 
 import abc
-import importlib
-import logging
-from collections.abc import Callable
+
+from flowkv import payload
 
 __all__ = ["Tier", "verify_payload"]
-
-logger = logging.getLogger("flowkv.tiers")
 
 
 class Tier(abc.ABC):
@@ -98,42 +95,14 @@ class Tier(abc.ABC):
         return f"{type(self).__name__}(name={getattr(self, 'name', '?')!r})"
 
 
-def _opaque(blob: bytes) -> bool:
-    return True
-
-
-_checker: Callable[[bytes], bool] | None = None
-
-
-def _resolve_checker() -> Callable[[bytes], bool]:
-    # flowkv.payload (and torch behind it) is imported on first use, not when
-    # the tiers module is; a tree without it treats payloads as opaque bytes.
-    try:
-        payload = importlib.import_module("flowkv.payload")
-    except ModuleNotFoundError as exc:
-        if exc.name != "flowkv.payload":
-            raise
-        logger.warning("flowkv.payload is not available: tier payloads are not verified")
-        return _opaque
-
-    def intact(blob: bytes) -> bool:
-        try:
-            payload.verify(blob)  # header, length and body checksum; no decoding
-        except payload.PayloadError:
-            return False
-        return True
-
-    return intact
-
-
 def verify_payload(blob: bytes) -> bool:
     """Whether ``blob`` is an intact flowkv payload (header and checksum good).
 
-    Delegates to ``flowkv.payload.verify`` (header, length and body checksum,
-    no decoding), which raises ``PayloadError`` on any problem. Without
-    ``flowkv.payload`` every blob is accepted as opaque bytes.
+    ``flowkv.payload.verify`` checks header, length and body checksum without
+    decoding; any ``PayloadError`` it raises makes the answer False.
     """
-    global _checker
-    if _checker is None:
-        _checker = _resolve_checker()
-    return _checker(blob)
+    try:
+        payload.verify(blob)
+    except payload.PayloadError:
+        return False
+    return True

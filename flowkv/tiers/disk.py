@@ -39,7 +39,6 @@ import os
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from pathlib import Path
 
 import anyio.to_thread
@@ -109,12 +108,9 @@ class DiskTier(Tier):
         *,
         name: str,
         config: DiskTierConfig,
-        verify: Callable[[bytes], bool] | None = None,
     ) -> None:
         self.name = name
         self.config = config
-        # Integrity check of every payload read; a different payload format brings its own.
-        self._verify = verify if verify is not None else verify_payload
         self.root = Path(config.path).expanduser()
         self._index: OrderedDict[str, int] = OrderedDict()  # digest -> bytes, least recent first
         self._bytes_used = 0  # sum of the index's sizes
@@ -310,7 +306,7 @@ class DiskTier(Tier):
                 logger.debug("disk tier %r: cannot read %s: %s", self.name, path, exc)
                 found[digest] = "read_errors"
                 continue
-            if not self._verify(blob):
+            if not verify_payload(blob):
                 logger.warning("disk tier %r: corrupt payload in %s removed", self.name, path)
                 self._unlink(path)
                 found[digest] = "corrupt"

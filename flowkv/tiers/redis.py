@@ -28,7 +28,6 @@ TOML::
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -114,12 +113,9 @@ class RedisTier(Tier):
         *,
         name: str,
         config: RedisTierConfig,
-        verify: Callable[[bytes], bool] | None = None,
     ) -> None:
         self.name = name
         self.config = config
-        # Integrity check of every payload read; a different payload format brings its own.
-        self._verify = verify if verify is not None else verify_payload
         self._prefix = config.namespace + ":"
         self._client: Redis | RedisCluster | None = None
         self._connect_lock: anyio.Lock | None = None
@@ -148,7 +144,7 @@ class RedisTier(Tier):
         values = await self._pipelined([("GET", self.storage_key(key)) for key in keys])
         present = [value for value in values if value is not None]
         # Checksums of megabyte payloads are CPU work: off the event loop.
-        intact = await anyio.to_thread.run_sync(lambda: [self._verify(value) for value in present])
+        intact = await anyio.to_thread.run_sync(lambda: [verify_payload(value) for value in present])
         verdicts = iter(intact)
         results: list[bytes | None] = []
         for key, value in zip(keys, values):

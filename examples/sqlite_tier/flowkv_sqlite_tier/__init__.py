@@ -22,7 +22,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import anyio.to_thread
@@ -72,11 +72,9 @@ class SqliteTier(Tier):
         *,
         name: str,
         config: SqliteTierConfig,
-        verify: Callable[[bytes], bool] = verify_payload,
     ) -> None:
         self.name = name
         self.config = config
-        self._verify = verify
         self.path = Path(config.path).expanduser()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # One connection used from anyio's worker threads, one statement at a time.
@@ -143,7 +141,7 @@ class SqliteTier(Tier):
                 marks = ",".join("?" * len(batch))
                 for key, payload in db.execute(f"SELECT key, payload FROM chunks WHERE key IN ({marks})", batch):
                     found[key] = bytes(payload)
-            damaged = [key for key, blob in found.items() if not self._verify(blob)]
+            damaged = [key for key, blob in found.items() if not verify_payload(blob)]
             for key in damaged:
                 # A damaged row would be promised by exists() forever: remove it.
                 del found[key]
