@@ -4,6 +4,11 @@ Each module has ``add_arguments(parser)`` and ``run(args) -> int``. Every
 benchmark measures a baseline in the same run and prints ratios against it.
 """
 
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "runner": ("flowkv.bench.runner", "runner overhead per item and stage, against a hand loop"),
     "engine": ("flowkv.bench.engine", "store/retrieve throughput against a plain copy; hashing; lookup"),
@@ -12,3 +17,28 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "capacity": ("flowkv.bench.capacity", "documents a fixed disk holds and warm TTFT from disk: raw, lossless, lossy"),
     "ttft": ("flowkv.bench.ttft", "vLLM time to first token: no cache, flowkv, ExampleConnector"),
 }
+
+
+def best_seconds(step: Callable[[], object], repeats: int, *, before: Callable[[], object] | None = None,
+                 after: Callable[[], object] | None = None) -> float:
+    """Best seconds of ``step`` over ``repeats`` runs after one untimed warm-up run;
+    ``before`` and ``after`` run around every run, untimed (e.g. emptying memory)."""
+    best = float("inf")
+    for attempt in range(repeats + 1):
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        step()
+        elapsed = time.perf_counter() - start
+        if after is not None:
+            after()
+        if attempt:  # the warm-up pays first-touch page faults and connection set-up
+            best = min(best, elapsed)
+    return best
+
+
+def expect_tokens(got: int, want: int, what: str) -> None:
+    """Raise unless a run handled exactly ``want`` tokens: a run that moved less
+    than asked would make its timing meaningless."""
+    if got != want:
+        raise RuntimeError(f"{what} handled {got} of {want} tokens: the measurement would be wrong")

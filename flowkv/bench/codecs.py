@@ -37,14 +37,14 @@ import argparse
 import json
 import math
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from flowkv import payload
+from flowkv.bench import best_seconds
 from flowkv.codecs import codec_names, get_codec
 
 __all__ = ["add_arguments", "measure", "model_kv", "run", "shuffle_gains", "synthetic_kv"]
@@ -167,16 +167,6 @@ def load_kv_file(path: str) -> torch.Tensor:
     return tensor.contiguous()
 
 
-def _best_seconds(step: Callable[[], object], repeats: int) -> float:
-    step()  # warm-up: first-touch page faults, per-thread contexts
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def _errors(kv: torch.Tensor, decoded: torch.Tensor) -> dict[str, float]:
     x = kv.double()
     err = (decoded.double() - x).abs()
@@ -229,8 +219,8 @@ def measure(
             for blob, out in zip(blobs, outs):
                 payload.decode_into(blob, out)
 
-        encode_s = _best_seconds(encode_all, repeats)
-        decode_s = _best_seconds(decode_all, repeats)
+        encode_s = best_seconds(encode_all, repeats)
+        decode_s = best_seconds(decode_all, repeats)
         label = name + "".join(f" {k}={v}" for k, v in params.items())
         payload_bytes = sum(len(b) for b in blobs)
         row: dict[str, Any] = {

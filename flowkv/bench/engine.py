@@ -30,10 +30,15 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from flowkv import kernels
+from flowkv import payload as payloads
+from flowkv.bench import best_seconds, expect_tokens
+from flowkv.keys import chain_hashes
 
 __all__ = ["add_arguments", "run"]
 
@@ -51,23 +56,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed runs per measurement; the best counts (default 5)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-
-
-def _best(step: Callable[[], object], repeats: int, progress: Any,
-          before: Callable[[], object] | None = None) -> float:
-    """Best seconds of ``step`` over ``repeats`` runs after one warm-up;
-    ``before`` runs untimed ahead of every run (e.g. emptying memory)."""
-    times = []
-    for attempt in range(repeats + 1):
-        if before is not None:
-            before()
-        start = time.perf_counter()
-        step()
-        elapsed = time.perf_counter() - start
-        if attempt:  # the first run pays first-touch page faults
-            times.append(elapsed)
-        progress.update(1)
-    return min(times)
 
 
 def _codec_of(pipeline: Any) -> tuple[str, dict[str, Any]]:
@@ -88,44 +76,38 @@ class _FusedLoop:
         self.codec = codec
         self.params = params
 
-    def store(self, tokens: torch.Tensor, kv_caches: list[torch.Tensor], slots: torch.Tensor) -> int:
-        from flowkv import kernels
-        from flowkv import payload as payloads
-        from flowkv.keys import chain_hashes
-
+    def _chunks(self, tokens: torch.Tensor) -> Iterator[tuple[str, slice]]:
+        """Each whole chunk's key and token range, in order."""
         e = self.engine
         size = e.chunk_size
         keys = e.key_prefix({}).keys(chain_hashes(tokens, size, e.hash_fn, partial=False))
-        stored = 0
         for index, key in enumerate(keys):
-            start = index * size
-            obj = e.memory.allocate(e.geometry.chunk_shape(size), e.geometry.dtype)
+            yield key.to_str(), slice(index * size, (index + 1) * size)
+
+    def store(self, tokens: torch.Tensor, kv_caches: list[torch.Tensor], slots: torch.Tensor) -> int:
+        e = self.engine
+        stored = 0
+        for key, span in self._chunks(tokens):
+            obj = e.memory.allocate(e.geometry.chunk_shape(e.chunk_size), e.geometry.dtype)
             if obj is None:
                 break
-            kernels.gather(kv_caches, e.geometry, slots[start:start + size], obj.tensor)
+            kernels.gather(kv_caches, e.geometry, slots[span], obj.tensor)
             if self.codec != "none":
                 blob = payloads.encode(obj.tensor, self.codec, **self.params)
                 if len(blob) <= obj.nbytes:
                     obj.view_bytes()[: len(blob)] = blob
                     obj.meta["codec"] = self.codec
                     obj.meta["encoded_len"] = len(blob)
-            e.memory.put(key.to_str(), obj)
+            e.memory.put(key, obj)
             obj.ref_down()
-            stored += size
+            stored += e.chunk_size
         return stored
 
     def retrieve(self, tokens: torch.Tensor, kv_caches: list[torch.Tensor], slots: torch.Tensor) -> int:
-        from flowkv import kernels
-        from flowkv import payload as payloads
-        from flowkv.keys import chain_hashes
-
         e = self.engine
-        size = e.chunk_size
-        keys = e.key_prefix({}).keys(chain_hashes(tokens, size, e.hash_fn, partial=False))
         loaded = 0
-        for index, key in enumerate(keys):
-            start = index * size
-            obj = e.memory.get(key.to_str())
+        for key, span in self._chunks(tokens):
+            obj = e.memory.get(key)
             if obj is None:
                 break
             try:
@@ -133,16 +115,15 @@ class _FusedLoop:
                     kv = payloads.decode(obj.view_bytes()[: obj.meta["encoded_len"]])
                 else:
                     kv = obj.tensor
-                kernels.scatter(kv, kv_caches, e.geometry, slots[start:start + size])
+                kernels.scatter(kv, kv_caches, e.geometry, slots[span])
             finally:
                 obj.ref_down()
-            loaded += size
+            loaded += e.chunk_size
         return loaded
 
 
 def _fill_like_real_kv(kv_caches: list[torch.Tensor], geometry: Any, slots: torch.Tensor) -> None:
     """Write KV with a trained model's statistics at ``slots``, so a codec compresses as it would."""
-    from flowkv import kernels
     from flowkv.bench.codecs import synthetic_kv
 
     step = 1024
@@ -161,7 +142,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from flowkv import CacheEngine
     from flowkv.engine import _SLAB_MARGIN
     from flowkv.kernels import KVGeometry
-    from flowkv.keys import HASH_FUNCTIONS, chain_hashes
+    from flowkv.keys import HASH_FUNCTIONS
     from flowkv.pipeline import load_pipeline
     from flowkv._testing.paged import make_paged_kv, random_slot_mapping
 
@@ -184,6 +165,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     steps = 5 * (reps + 1) + len(HASH_FUNCTIONS) * (reps + 1) + 3 * (reps + 1)
     progress = tqdm(total=steps, desc="bench engine", file=sys.stderr, leave=False, unit="run")
 
+    def tick() -> None:
+        progress.update(1)
+
     src = make_paged_kv(geometry, num_blocks, seed=0)
     dst = make_paged_kv(geometry, num_blocks, seed=1, fill=False)
     slots = random_slot_mapping(n, geometry, num_blocks, seed=2)
@@ -200,7 +184,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     a = torch.empty(kv_bytes, dtype=torch.uint8)
     b = torch.empty(kv_bytes, dtype=torch.uint8)
     a.fill_(1)
-    copy_s = _best(lambda: b.copy_(a), reps, progress)
+    copy_s = best_seconds(lambda: b.copy_(a), reps, after=tick)
     del a, b
 
     # Pipeline and hand-fused loop take turns, so a busy machine slows both alike.
@@ -213,7 +197,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             engine.memory.clear()
             fresh = fresh_tokens()
             start = time.perf_counter()
-            _expect(step(fresh), n, "store")
+            expect_tokens(step(fresh), n, "store")
             if attempt:  # the first run pays first-touch page faults
                 runs.append(time.perf_counter() - start)
         progress.update(2)
@@ -225,7 +209,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                             lambda: int(engine.retrieve(fresh, kv_caches=dst, slot_mapping=slots).sum())),
                            (fused_retrieve_times, lambda: fused.retrieve(fresh, dst, slots))):
             start = time.perf_counter()
-            _expect(step(), n, "retrieve")
+            expect_tokens(step(), n, "retrieve")
             if attempt:
                 runs.append(time.perf_counter() - start)
         progress.update(2)
@@ -238,7 +222,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     # Hashing a 32k-token prompt, every function.
     hashing = {}
     for name, fn in HASH_FUNCTIONS.items():
-        seconds = _best(lambda fn=fn: chain_hashes(hash_tokens, chunk, fn, partial=True), reps, progress)
+        seconds = best_seconds(lambda fn=fn: chain_hashes(hash_tokens, chunk, fn, partial=True), reps, after=tick)
         hashing[name] = _LOOKUP_TOKENS / seconds / 1e6
 
     # Lookup on a 32k-token prompt: keys exist in memory, no payload is read. The
@@ -248,18 +232,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                        overrides={"tiers.memory.capacity": "64MiB",
                                                   "tiers.memory.pin_memory": False})
     small_blocks = _LOOKUP_TOKENS // _BLOCK_SIZE
-    _expect(looker.store(hash_tokens, kv_caches=make_paged_kv(small, small_blocks, seed=4),
+    expect_tokens(looker.store(hash_tokens, kv_caches=make_paged_kv(small, small_blocks, seed=4),
                          slot_mapping=random_slot_mapping(_LOOKUP_TOKENS, small, small_blocks, seed=5)),
             _LOOKUP_TOKENS // chunk * chunk, "lookup set-up store")
     hit = _LOOKUP_TOKENS // chunk * chunk
     # The engine remembers the keys of recent token lists (lookup, then retrieve,
     # hash once); forgetting them before each call times a first lookup.
-    hit_cold_s = _best(lambda: _expect(looker.lookup(hash_tokens), hit, "lookup"), reps, progress,
-                          before=looker._key_cache.clear)
-    hit_warm_s = _best(lambda: _expect(looker.lookup(hash_tokens), hit, "lookup"), reps, progress)
+    hit_cold_s = best_seconds(lambda: expect_tokens(looker.lookup(hash_tokens), hit, "lookup"), reps,
+                              before=looker._key_cache.clear, after=tick)
+    hit_warm_s = best_seconds(lambda: expect_tokens(looker.lookup(hash_tokens), hit, "lookup"), reps, after=tick)
     misses = torch.randint(0, 128_000, (reps + 1, _LOOKUP_TOKENS), generator=generator)
     miss_iter = iter(misses)
-    miss_s = _best(lambda: _expect(looker.lookup(next(miss_iter)), 0, "lookup miss"), reps, progress)
+    miss_s = best_seconds(lambda: expect_tokens(looker.lookup(next(miss_iter)), 0, "lookup miss"), reps, after=tick)
     progress.close()
     engine.close()
     looker.close()
@@ -297,13 +281,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "lookup_miss_ms": miss_s * 1e3,
     })
     return results
-
-
-def _expect(got: int, want: int, what: str) -> int:
-    # A run that moved less than asked would make its timing meaningless.
-    if got != want:
-        raise RuntimeError(f"{what} handled {got} tokens, expected {want}")
-    return got
 
 
 def run(args: argparse.Namespace) -> int:

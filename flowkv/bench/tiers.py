@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from flowkv.bench import best_seconds, expect_tokens
 from flowkv.pipeline import dumps_pipeline
 
 __all__ = ["add_arguments", "measure", "run"]
@@ -69,26 +70,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", default=None,
                         help="folder for the disk tier and the raw files (default: a temporary folder)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-
-
-# -- timing ------------------------------------------------------------------------
-
-
-def _best(step: Callable[[], object], repeats: int, before: Callable[[], object] | None = None,
-          after: Callable[[], object] | None = None) -> float:
-    """Best seconds of ``step`` over ``repeats`` runs after one warm-up; ``before`` and ``after`` are untimed."""
-    times = []
-    for attempt in range(repeats + 1):
-        if before is not None:
-            before()
-        start = time.perf_counter()
-        step()
-        elapsed = time.perf_counter() - start
-        if after is not None:
-            after()
-        if attempt:  # the first run pays first-touch page faults and connection set-up
-            times.append(elapsed)
-    return min(times)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -172,11 +153,6 @@ class _Request:
         return self.tokens
 
 
-def _expect(got: int, want: int, what: str) -> None:
-    if got != want:
-        raise RuntimeError(f"{what} handled {got} of {want} tokens: the measurement would be wrong")
-
-
 def _engine_figures(engine_for: Callable[[], Any], request: _Request, repeats: int, *,
                     slow: str | None, cleanup: Callable[[Any], None] = lambda engine: None) -> dict[str, float]:
     """Put, get and lookup through a fresh engine per repeat (so every put really writes)."""
@@ -194,7 +170,7 @@ def _engine_figures(engine_for: Callable[[], Any], request: _Request, repeats: i
 
     def put() -> None:
         engine = state["engine"]
-        _expect(engine.store(request.tokens, kv_caches=request.src, slot_mapping=request.slots), n, "store")
+        expect_tokens(engine.store(request.tokens, kv_caches=request.src, slot_mapping=request.slots), n, "store")
         if slow is not None:
             if not engine.flush(_TIER_TIMEOUT_S):
                 raise RuntimeError(f"tier {slow} did not finish its writes in {_TIER_TIMEOUT_S} s")
@@ -211,7 +187,7 @@ def _engine_figures(engine_for: Callable[[], Any], request: _Request, repeats: i
     def get() -> None:
         engine = state["engine"]
         mask = engine.retrieve(request.tokens, kv_caches=request.dst, slot_mapping=request.slots)
-        _expect(int(mask.sum()), n, "retrieve")
+        expect_tokens(int(mask.sum()), n, "retrieve")
 
     lookups: list[float] = []
 
@@ -219,11 +195,11 @@ def _engine_figures(engine_for: Callable[[], Any], request: _Request, repeats: i
         engine = state["engine"]
         for _ in range(20):
             start = time.perf_counter()
-            _expect(engine.lookup(request.tokens), n, "lookup")
+            expect_tokens(engine.lookup(request.tokens), n, "lookup")
             lookups.append(time.perf_counter() - start)
 
-    put_s = _best(put, repeats, before=open_engine, after=close_engine)
-    get_s = _best(get, repeats, before=store_and_empty_memory, after=close_engine)
+    put_s = best_seconds(put, repeats, before=open_engine, after=close_engine)
+    get_s = best_seconds(get, repeats, before=store_and_empty_memory, after=close_engine)
     store_and_empty_memory()
     try:
         lookup()
@@ -289,7 +265,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     say(f"memory ({n} tokens, {kv_bytes / 2**20:.0f} MiB)")
     copy_dst = torch.empty_like(raw)
-    copy_s = _best(lambda: copy_dst.copy_(raw), reps)
+    copy_s = best_seconds(lambda: copy_dst.copy_(raw), reps)
     figures = _engine_figures(engine_on("memory"), request, reps, slow=None)
     result["tiers"]["memory"] = _row(figures, kv_bytes, base_put_s=copy_s, base_get_s=copy_s,
                                      baseline="torch copy of the same bytes")
@@ -325,8 +301,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 with open(files / f"{index}.bin", "rb") as file:
                     file.read()
 
-        write_s = _best(write_files, reps)
-        read_s = _best(read_files, reps)
+        write_s = best_seconds(write_files, reps)
+        read_s = best_seconds(read_files, reps)
         shutil.rmtree(files, ignore_errors=True)
         shutil.rmtree(disk_root, ignore_errors=True)
         result["tiers"]["disk"] = _row(figures, kv_bytes, base_put_s=write_s, base_get_s=read_s,
@@ -376,8 +352,8 @@ def _measure_redis(url: str, note: str, engine_on: Callable[..., Callable[[], An
                 if client.get(key) is None:
                     raise RuntimeError(f"redis lost {key} during the benchmark")
 
-        set_s = _best(set_all, reps)
-        get_s = _best(get_all, reps)
+        set_s = best_seconds(set_all, reps)
+        get_s = best_seconds(get_all, reps)
     finally:
         delete_namespace()
         client.close()
