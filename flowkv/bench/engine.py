@@ -140,7 +140,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
     from flowkv import CacheEngine
-    from flowkv.engine import _SLAB_MARGIN
     from flowkv.kernels import KVGeometry
     from flowkv.keys import HASH_FUNCTIONS
     from flowkv.pipeline import load_pipeline
@@ -153,8 +152,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if n == 0:
         raise ValueError(f"--tokens {args.tokens} is less than one chunk ({chunk} tokens)")
     chunks = n // chunk
-    slab = -(-(geometry.token_bytes * chunk + _SLAB_MARGIN) // 64) * 64
-    overrides = {"tiers.memory.capacity": (chunks + 1) * slab, "tiers.memory.pin_memory": False}
+    # Room for the whole store and one chunk more: a raw chunk of this geometry is whole
+    # 4 KiB pages of the memory arena, and the arena's largest object is one chunk plus a header.
+    capacity = (chunks + 1) * geometry.token_bytes * chunk
+    overrides = {"tiers.memory.capacity": capacity, "tiers.memory.pin_memory": False}
     engine = CacheEngine.from_pipeline(args.pipeline, geometry=geometry, model_name="bench", overrides=overrides)
     codec, params = _codec_of(engine.pipeline)
     kv_bytes = n * geometry.token_bytes

@@ -229,7 +229,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     import uuid
 
     from flowkv import CacheEngine
-    from flowkv.engine import _SLAB_MARGIN
     from flowkv.kernels import KVGeometry
     from flowkv.pipeline import loads_pipeline
 
@@ -240,8 +239,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     chunks = n // _CHUNK
     chunk_bytes = _CHUNK * geometry.token_bytes
     kv_bytes = n * geometry.token_bytes
-    slab = -(-(chunk_bytes + _SLAB_MARGIN) // 64) * 64
-    capacity = (chunks + 1) * slab
+    # Room for the whole request and one chunk more: a raw chunk of this geometry is whole
+    # 4 KiB pages of the memory arena, and the arena's largest object is one chunk plus a header.
+    capacity = (chunks + 1) * chunk_bytes
     request = _Request(geometry, n)
     reps = args.repeats
     result: dict[str, Any] = {
