@@ -579,19 +579,16 @@ class _IntCodec(Codec):
     def _levels(self) -> int:
         return (1 << self.bits) - 1
 
-    def _value_group(self, shape: tuple[int, ...], params: IntParams) -> int:
-        head_size = shape[4]
-        group = params.group_size or head_size
-        if head_size and head_size % group:
-            raise ValueError(f"{self.name} group_size {group} does not divide head_size {head_size}")
-        return group
-
-    def _key_group(self, shape: tuple[int, ...], params: IntParams) -> int:
-        tokens = shape[2]
-        group = params.key_group_size or tokens
-        if tokens and tokens % group:
-            raise ValueError(f"{self.name} key_group_size {group} does not divide num_tokens {tokens}")
-        return group
+    def _group_sizes(self, shape: tuple[int, ...], params: IntParams) -> tuple[int, int]:
+        """Channels per value group and tokens per key group of a chunk of `shape` (0: the whole dim)."""
+        groups = []
+        for setting, group, what, size in (("group_size", params.group_size, "head_size", shape[4]),
+                                           ("key_group_size", params.key_group_size, "num_tokens", shape[2])):
+            group = group or size
+            if size and size % group:
+                raise ValueError(f"{self.name} {setting} {group} does not divide {what} {size}")
+            groups.append(group)
+        return groups[0], groups[1]
 
     def _grouped(self, part: torch.Tensor, index: int, kvs: int, group: int, key_group: int) -> tuple[torch.Tensor, int]:
         """One kv index of the chunk (layers, tokens, heads, head_size), shaped
@@ -605,8 +602,7 @@ class _IntCodec(Codec):
 
     def _stats(self, kv: torch.Tensor, params: IntParams) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(kv index, grouped fp32 view, min, scale) for keys then values."""
-        group = self._value_group(tuple(kv.shape), params)
-        key_group = self._key_group(tuple(kv.shape), params)
+        group, key_group = self._group_sizes(tuple(kv.shape), params)
         x = kv.float()
         parts = []
         for index in range(kv.shape[1]):
@@ -622,12 +618,10 @@ class _IntCodec(Codec):
             parts.append((index, grouped, lo, scale))
         return parts
 
-    def _stat_counts(self, shape: tuple[int, ...], params: IntParams) -> list[int]:
+    def _stat_counts(self, shape: tuple[int, ...], group: int, key_group: int) -> list[int]:
         layers, kvs, tokens, heads, head_size = shape
-        group = self._value_group(shape, params)
         value_stats = layers * tokens * heads * (head_size // group if group else 0)
         if kvs == 2:
-            key_group = self._key_group(shape, params)
             return [layers * (tokens // key_group if key_group else 0) * heads * head_size, value_stats]
         return [value_stats]
 
@@ -659,7 +653,8 @@ class _IntCodec(Codec):
         shape = tuple(out.shape)
         if len(shape) != 5 or shape[1] not in (1, 2):
             raise CodecDataError(f"{self.name} payload has shape {shape}, not a chunk shape")
-        counts = self._stat_counts(shape, params)
+        group, key_group = self._group_sizes(shape, params)
+        counts = self._stat_counts(shape, group, key_group)
         count = out.numel()
         code_bytes = self._code_bytes(count)
         stat_bytes = 8 * sum(counts)
@@ -669,8 +664,6 @@ class _IntCodec(Codec):
         if self.bits == 4:
             codes = _unpack_nibbles(codes, count)
         codes = codes.view(shape)
-        group = self._value_group(shape, params)
-        key_group = self._key_group(shape, params)
         offset = 0
         for index, stat_count in enumerate(counts):
             q, dim = self._grouped(codes[:, index], index, shape[1], group, key_group)
