@@ -24,9 +24,9 @@ class WriteBehind:
         self.capacity = capacity
         self._queue: collections.deque[tuple[str, bytes]] = collections.deque()
         self._lock = threading.Lock()
+        # Set while no drain task runs (changed under _lock): nothing queued or in flight.
         self._idle = threading.Event()
         self._idle.set()
-        self._draining = False
         self._in_flight = 0
         self.queued = 0
         self.dropped = 0
@@ -39,9 +39,8 @@ class WriteBehind:
                 return False
             self._queue.append((key, blob))
             self.queued += 1
+            start = self._idle.is_set()
             self._idle.clear()
-            start = not self._draining
-            self._draining = True
         if start:
             portal.submit(self._drain)
         return True
@@ -51,7 +50,6 @@ class WriteBehind:
             with self._lock:
                 batch = [self._queue.popleft() for _ in range(min(self._BATCH, len(self._queue)))]
                 if not batch:
-                    self._draining = False
                     self._idle.set()
                     return
                 self._in_flight = len(batch)
