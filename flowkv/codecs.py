@@ -111,8 +111,7 @@ def _tensor_from_body(body: memoryview, dtype: torch.dtype, count: int, offset: 
     A writable buffer is viewed in place; a read-only one (``bytes``) is
     copied once, since torch refuses to alias memory it may not write.
     """
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = count * itemsize
+    nbytes = count * dtype.itemsize
     if offset + nbytes > len(body):
         raise CodecDataError(f"body too short: needs {offset + nbytes} bytes, has {len(body)}")
     if count == 0:

@@ -130,7 +130,7 @@ class PayloadHeader:
         count = 1
         for dim in self.shape:
             count *= dim
-        return count * torch.empty((), dtype=self.dtype).element_size()
+        return count * self.dtype.itemsize
 
 
 def _flat_bytes(blob: Any) -> memoryview:
