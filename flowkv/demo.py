@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import sysconfig
@@ -52,6 +53,14 @@ def setup_environment() -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}" if cores > 1 else "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # vLLM's processes warn about torch deprecations
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    """Bytes of bf16 keys and values one token takes over all layers of the model in folder ``model``."""
+    config = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return config["num_hidden_layers"] * 2 * heads * head_dim * 2
 
 
 def documents(tokenizer: Any, count: int, doc_tokens: int) -> list[list[int]]:

@@ -75,3 +75,15 @@ def test_int8_holds_more_documents_than_raw_in_the_same_disk(capsys):
         for index, served in enumerate(row["served_tokens"]):
             assert served == (512 if index in row["held"] else 0)
         assert row["warm_ttft_s"] > 0 and row["cold_ttft_s"] > 0
+
+
+def test_kv_bytes_per_token_reads_the_model_config(tmp_path):
+    from flowkv.demo import kv_bytes_per_token
+
+    config = {"num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 4, "hidden_size": 1024}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert kv_bytes_per_token(tmp_path) == 4 * 2 * 4 * 64 * 2  # layers x (K, V) x KV heads x head_dim x bf16
+    del config["num_key_value_heads"]  # no GQA: every attention head has its own KV
+    config["head_dim"] = 128
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert kv_bytes_per_token(tmp_path) == 4 * 2 * 16 * 128 * 2

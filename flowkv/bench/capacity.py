@@ -38,7 +38,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flowkv.demo import QUESTIONS, DEMO_MODEL, build_llm, default_model_dir, flowkv_config, setup_environment, shutdown
+from flowkv.demo import (
+    DEMO_MODEL,
+    QUESTIONS,
+    build_llm,
+    default_model_dir,
+    flowkv_config,
+    kv_bytes_per_token,
+    setup_environment,
+    shutdown,
+)
 from flowkv.sizes import parse_size
 from flowkv.pipeline import dumps_pipeline
 
@@ -128,7 +137,7 @@ def _one_codec(model: Path, docs: list[list[int]], questions: list[list[int]], *
 
     from flowkv.demo import time_to_first_token
 
-    per_token = _kv_bytes_per_token(model)
+    per_token = kv_bytes_per_token(model)
     disk_path = folder / f"disk-{codec}"
     # The memory tier only stages one document's chunks while they are stored.
     staging = 2 * (args.doc_tokens + args.chunk_size) * per_token
@@ -170,13 +179,6 @@ def _one_codec(model: Path, docs: list[list[int]], questions: list[list[int]], *
         "cold_ttft_each_s": [t for t, _ in cold],
         "warm_ttft_each_s": [t for t, _ in warm],
     }
-
-
-def _kv_bytes_per_token(model: Path) -> int:
-    config = json.loads((model / "config.json").read_text(encoding="utf-8"))
-    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return config["num_hidden_layers"] * 2 * heads * head_dim * 2  # bf16 keys and values
 
 
 def run(args: argparse.Namespace) -> int:
