@@ -10,55 +10,24 @@ from pathlib import Path
 
 import pytest
 
-from flowkv.pipeline import PipelineError, load_pipeline
+from flowkv.pipeline import PipelineError, dumps_pipeline, load_pipeline
 
 
-def pipeline_text(codec: str = "int8", *, quality: str = "", level: int | None = None,
+def pipeline_text(codec: str = "int8", *, quality: dict | None = None, level: int | None = None,
                   second_codec: str | None = None) -> str:
     """A memory + disk pipeline with one compress stage (optionally a second, for the disk)."""
-    level_line = f"level = {level}\n" if level is not None else ""
-    second = (f'[[store.stages]]\nuse = "compress"\ncodec = "{second_codec}"\n'
-              f'[[store.stages]]\nuse = "put"\ntiers = ["disk"]\n') if second_codec else ""
-    return f"""[pipeline]
-name = "gated"
-
-[tiers.memory]
-kind = "memory"
-capacity = "64MiB"
-
-[tiers.disk]
-kind = "disk"
-path = "disk"
-capacity = "64MiB"
-
-[[store.stages]]
-use = "tokenize"
-[[store.stages]]
-use = "chunk-hash"
-[[store.stages]]
-use = "allocate"
-[[store.stages]]
-use = "gather"
-[[store.stages]]
-use = "compress"
-codec = "{codec}"
-{level_line}[[store.stages]]
-use = "put"
-tiers = ["memory"]
-{second}
-[[retrieve.stages]]
-use = "tokenize"
-[[retrieve.stages]]
-use = "chunk-hash"
-[[retrieve.stages]]
-use = "lookup"
-[[retrieve.stages]]
-use = "get"
-[[retrieve.stages]]
-use = "decompress"
-[[retrieve.stages]]
-use = "scatter"
-{quality}"""
+    compress = {"codec": codec, **({"level": level} if level is not None else {})}
+    store = ["tokenize", "chunk-hash", "allocate", "gather", ("compress", compress), ("put", {"tiers": ["memory"]})]
+    if second_codec:
+        store += [("compress", {"codec": second_codec}), ("put", {"tiers": ["disk"]})]
+    return dumps_pipeline(
+        pipeline={"name": "gated"},
+        tiers={"memory": {"kind": "memory", "capacity": "64MiB"},
+               "disk": {"kind": "disk", "path": "disk", "capacity": "64MiB"}},
+        store=store,
+        retrieve=["tokenize", "chunk-hash", "lookup", "get", "decompress", "scatter"],
+        sections={"quality": quality} if quality is not None else None,
+    )
 
 
 def record(entries: list[tuple[str, dict, float]], model: str = "tiny") -> dict:
@@ -94,7 +63,7 @@ def gate_error(path: Path) -> str:
     return diag.message
 
 
-GATE = '\n[quality]\nmin_agreement = 0.9\nrecord = "quality.json"\n'
+GATE = {"min_agreement": 0.9, "record": "quality.json"}
 
 
 def test_gate_passes_with_a_record_at_or_above_the_minimum(tmp_path):
@@ -115,7 +84,7 @@ def test_gate_refuses_a_missing_record(tmp_path):
 
 
 def test_gate_refuses_min_agreement_without_a_record_path(tmp_path):
-    message = gate_error(write(tmp_path, pipeline_text(quality="\n[quality]\nmin_agreement = 0.9\n")))
+    message = gate_error(write(tmp_path, pipeline_text(quality={"min_agreement": 0.9})))
     assert "set record" in message and "int8" in message
 
 
@@ -158,9 +127,9 @@ def test_lossless_pipelines_need_no_record(tmp_path):
 
 
 def test_min_agreement_must_be_a_fraction(tmp_path):
-    path = write(tmp_path, pipeline_text(quality='\n[quality]\nmin_agreement = 95\nrecord = "q.json"\n'))
+    path = write(tmp_path, pipeline_text(quality={"min_agreement": 95, "record": "q.json"}))
     assert "between 0 and 1" in gate_error(path)
-    path.write_text(pipeline_text(quality='\n[quality]\nmin_agreemnt = 0.9\n'))
+    path.write_text(pipeline_text(quality={"min_agreemnt": 0.9}))
     with pytest.raises(PipelineError, match="did you mean 'min_agreement'"):
         load_pipeline(path)
 
@@ -197,7 +166,7 @@ def test_quality_run_with_vllm_measures_int4_below_int8_and_the_gate_uses_it(tmp
     from vllm_helpers import tiny_model_dir
 
     path = write(tmp_path, pipeline_text("int8", second_codec="int4",
-                                         quality='\n[quality]\nmin_agreement = 0.5\nrecord = "quality.json"\n'))
+                                         quality={"min_agreement": 0.5, "record": "quality.json"}))
     status = _quality([str(path), "--model", str(tiny_model_dir()), "--prompts", "4", "--prompt-tokens", "512",
                        "--max-tokens", "16", "--json"])
     rec = json.loads(capsys.readouterr().out)
