@@ -751,13 +751,12 @@ class FlowKVConnector(KVConnectorBase_V1):
         raise ValueError(f"unknown flowkv IPC op {op!r}")
 
     def _slot_mapping(self, block_ids: list[int], num_tokens: int, start: int, end: int) -> torch.Tensor:
-        positions = torch.arange(num_tokens, dtype=torch.int64)
         blocks = torch.as_tensor(block_ids, dtype=torch.int64)
         needed = _ceil(min(end, num_tokens), self._block_size) // self._block_size
         if needed > len(blocks):
             raise ValueError(f"{len(blocks)} blocks cannot hold {end} tokens of block size {self._block_size}")
         slots = torch.full((num_tokens,), -1, dtype=torch.int64)
-        inside = positions[start:end]
+        inside = torch.arange(start, min(end, num_tokens), dtype=torch.int64)
         slots[start:end] = blocks[inside // self._block_size] * self._block_size + inside % self._block_size
         return slots
 
