@@ -430,9 +430,6 @@ class CacheEngine:
             drained, self._latencies = self._latencies, {}
         return drained
 
-    def masked_prefix(self, request: Request) -> int:
-        return request.masked
-
     def chunk_shape(self, chunk: Chunk) -> tuple[int, ...]:
         return self.geometry.chunk_shape(chunk.num_tokens)
 

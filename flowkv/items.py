@@ -22,15 +22,14 @@ class Request:
     # Paged KV caches of the inference engine, one tensor per layer (None for lookup).
     kv_caches: list[torch.Tensor] | None = None
     slot_mapping: torch.Tensor | None = None  # 1-D int64, one slot per token; -1 = skip
-    # True where the inference engine already holds the KV: not stored, not loaded.
-    mask: torch.Tensor | None = None
     tags: dict[str, str] = attrs.field(factory=dict)
     request_id: str | None = None
     lookup_id: str | None = None  # pins taken by lookup belong to this id
     pin: bool = False  # lookup: pin what it finds
     # Filled by retrieve: True for every token whose KV was loaded.
     ret_mask: torch.Tensor | None = None
-    # Tokens at the start that the mask covers (chunk-aligned), set by the engine.
+    # Tokens at the start whose KV the inference engine already holds (the caller's
+    # mask, checked chunk-aligned by the engine): not stored, not loaded.
     masked: int = 0
     # End of the contiguous hit the lookup stage found (tokens from 0).
     hit_tokens: int | None = None

@@ -27,7 +27,7 @@ def tokenize(requests: Iterator[Request], *, ctx: RunContext) -> Iterator[Chunk]
     size = engine.chunk_size
     partial = ctx.kind != "store" or engine.save_partial_chunks
     for request in requests:
-        masked = engine.masked_prefix(request)
+        masked = request.masked
         spans = chunk_spans(request.num_tokens, size, save_partial=partial)
         for index, (start, end) in enumerate(spans):
             yield Chunk(request=request, index=index, start=start, end=end, skip=end <= masked)

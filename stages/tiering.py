@@ -134,7 +134,7 @@ def lookup(
             engine.pin([c.key_str for c in hit if c.tier == engine.memory_name], request.lookup_id)
         if prefetch:
             engine.prefetch([c for c in hit if c.tier not in (None, engine.memory_name)], request.lookup_id)
-    ctx.record(hit_tokens=request.hit_tokens - engine.masked_prefix(request), chunks=len(hit))
+    ctx.record(hit_tokens=request.hit_tokens - request.masked, chunks=len(hit))
     yield from hit
 
 
