@@ -801,37 +801,46 @@ class FlowKVConnector(KVConnectorBase_V1):
                 continue
             loaded_to = load.start
             try:
-                tokens, slots, mask = self._load_inputs(load)
+                args = self._retrieve_args(load)
                 with self._engine_lock, step.active(load.req_id):
-                    ret_mask = self._engine.retrieve(
-                        tokens, kv_caches=self._kv_layers, slot_mapping=slots, mask=mask,
-                        tags=load.tags or None, lookup_id=load.lookup_id, request_id=load.req_id,
-                    )
+                    ret_mask = self._engine.retrieve(**args)
                 loaded_to = _loaded_to(load, ret_mask)
             except Exception:
-                logger.exception("flowkv: retrieve for request %s failed; vLLM recomputes it", load.req_id)
-                with self._engine_lock:
-                    self._release_quietly(load.lookup_id)
+                self._load_failed(load)
             self._loaded(load, loaded_to, step)
 
-    def _load_inputs(self, load: LoadSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _retrieve_args(self, load: LoadSpec) -> dict[str, Any]:
+        """The engine's retrieve arguments for ``load`` (whole or layerwise)."""
         tokens = torch.tensor(load.token_ids, dtype=torch.int64)
-        # Slots outside [start, end) are -1: vLLM holds those tokens, or computes them this step.
-        slots = self._slot_mapping(load.block_ids, len(tokens), load.start, load.end)
-        return tokens, slots, self._chunk_mask(len(tokens), load.skip_prefix)
+        return {
+            "tokens": tokens,
+            "kv_caches": self._kv_layers,
+            # Slots outside [start, end) are -1: vLLM holds those tokens, or computes them this step.
+            "slot_mapping": self._slot_mapping(load.block_ids, len(tokens), load.start, load.end),
+            "mask": self._chunk_mask(len(tokens), load.skip_prefix),
+            "tags": load.tags or None,
+            "lookup_id": load.lookup_id,
+            "request_id": load.req_id,
+        }
+
+    def _load_failed(self, load: LoadSpec) -> None:
+        """A retrieve that raised: drop the pins its lookup took; vLLM recomputes the load."""
+        logger.exception("flowkv: retrieve for request %s failed; vLLM recomputes it", load.req_id)
+        if load.lookup_id is None:
+            return
+        try:
+            with self._engine_lock:
+                self._engine.release(load.lookup_id)
+        except Exception:
+            logger.exception("flowkv: releasing lookup %s failed", load.lookup_id)
 
     def _start_layerwise_load(self, load: LoadSpec, step: _StepTrace) -> None:
         try:
-            tokens, slots, mask = self._load_inputs(load)
+            args = self._retrieve_args(load)
             with self._engine_lock, step.active(load.req_id):
-                handle = self._engine.retrieve_layerwise(
-                    tokens, kv_caches=self._kv_layers, slot_mapping=slots, mask=mask,
-                    tags=load.tags or None, lookup_id=load.lookup_id, request_id=load.req_id,
-                )
+                handle = self._engine.retrieve_layerwise(**args)
         except Exception:
-            logger.exception("flowkv: retrieve for request %s failed; vLLM recomputes it", load.req_id)
-            with self._engine_lock:
-                self._release_quietly(load.lookup_id)
+            self._load_failed(load)
             self._loaded(load, load.start, step)
             return
         # The head found and read its chunks: unless a layer fails, the load
@@ -857,9 +866,7 @@ class FlowKVConnector(KVConnectorBase_V1):
                     ret_mask = pending.handle.finish()
                 loaded_to = _loaded_to(load, ret_mask)
             except Exception:
-                logger.exception("flowkv: retrieve for request %s failed; vLLM recomputes it", load.req_id)
-                with self._engine_lock:
-                    self._release_quietly(load.lookup_id)
+                self._load_failed(load)
             pending.loaded_to = loaded_to
             self._loaded(load, loaded_to, step)
 
@@ -878,14 +885,6 @@ class FlowKVConnector(KVConnectorBase_V1):
             "flowkv: request %s loaded %d of %d tokens; vLLM recomputes the rest",
             load.req_id, loaded_to - load.start, load.end - load.start,
         )
-
-    def _release_quietly(self, lookup_id: str | None) -> None:
-        if lookup_id is None:
-            return
-        try:
-            self._engine.release(lookup_id)
-        except Exception:
-            logger.exception("flowkv: releasing lookup %s failed", lookup_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until every load of this step has put ``layer_name``'s KV in place.
@@ -952,18 +951,25 @@ class FlowKVConnector(KVConnectorBase_V1):
             if token_ids is None:
                 continue
             try:
-                tokens = torch.tensor(token_ids, dtype=torch.int64)
-                slots = self._slot_mapping(save.block_ids, len(tokens), 0, len(tokens))
+                args = self._store_args(save, token_ids)
                 with self._engine_lock, step.active(save.req_id):
-                    handle = self._engine.store_layerwise(
-                        tokens, kv_caches=self._kv_layers, slot_mapping=slots,
-                        mask=self._chunk_mask(len(tokens), save.skip_prefix),
-                        tags=save.tags or None, request_id=save.req_id,
-                    )
+                    handle = self._engine.store_layerwise(**args)
             except Exception:
                 logger.exception("flowkv: store for request %s failed", save.req_id)
                 continue
             self._layer_saves.append(_LayerwiseSave(spec=save, handle=handle, cut_at=cut_at))
+
+    def _store_args(self, save: SaveSpec, token_ids: list[int]) -> dict[str, Any]:
+        """The engine's store arguments for ``token_ids``, a prefix of ``save``'s (whole or layerwise)."""
+        tokens = torch.tensor(token_ids, dtype=torch.int64)
+        return {
+            "tokens": tokens,
+            "kv_caches": self._kv_layers,
+            "slot_mapping": self._slot_mapping(save.block_ids, len(tokens), 0, len(tokens)),
+            "mask": self._chunk_mask(len(tokens), save.skip_prefix),
+            "tags": save.tags or None,
+            "request_id": save.req_id,
+        }
 
     def _save_tokens(self, save: SaveSpec, loaded_to: int | None) -> list[int] | None:
         """The tokens of ``save`` that are right to store, None when nothing new is left."""
@@ -995,8 +1001,7 @@ class FlowKVConnector(KVConnectorBase_V1):
             return
         short_loads = self._short_loads
         step = self._step_trace(meta)
-        started = {pending.spec.req_id: pending for pending in self._layer_saves or ()}
-        for pending in started.values():
+        for pending in self._layer_saves or ():
             save = pending.spec
             loaded_to = short_loads.get(save.req_id)
             try:
@@ -1018,15 +1023,10 @@ class FlowKVConnector(KVConnectorBase_V1):
             token_ids = self._save_tokens(save, short_loads.get(save.req_id))
             if token_ids is None:
                 continue
-            tokens = torch.tensor(token_ids, dtype=torch.int64)
             try:
-                slots = self._slot_mapping(save.block_ids, len(tokens), 0, len(tokens))
+                args = self._store_args(save, token_ids)
                 with self._engine_lock, step.active(save.req_id):
-                    stored = self._engine.store(
-                        tokens, kv_caches=self._kv_layers, slot_mapping=slots,
-                        mask=self._chunk_mask(len(tokens), save.skip_prefix),
-                        tags=save.tags or None, request_id=save.req_id,
-                    )
+                    stored = self._engine.store(**args)
                 step.annotate(save.req_id, {"flowkv.stored_tokens": stored})
             except Exception:
                 # A store that fails is a later miss; inference goes on.
