@@ -50,215 +50,144 @@ def at(diag: Diagnostic, line: int, col: int = 1) -> None:
 # -- one mistake each ----------------------------------------------------------
 
 
-def test_toml_syntax_error_points_at_the_bad_character():
-    d = only(
+def mistake(name: str, text: str, kind: str, line: int, *says: str, col: int = 1, absent: tuple[str, ...] = ()):
+    """One file with one mistake: the diagnostic's kind, FILE:LINE:COL, and words it must (not) say."""
+    return pytest.param(text, kind, line, col, says, absent, id=name)
+
+
+ONE_MISTAKE = [
+    mistake(
+        "toml-syntax-points-at-the-bad-character",
         """
         [pipeline]
         name = "x"
         chunk_size = = 256
-        """
-    )
-    assert d.kind == "syntax"
-    at(d, 3, 14)  # the second '='
-    assert "TOML syntax" in d.message
-    assert "(at line" not in d.message  # the position is said once, in front
-
-
-def test_unknown_section_suggests_the_close_one():
-    d = only(
+        """,
+        "syntax", 3, "TOML syntax",
+        col=14,  # the second '='
+        absent=("(at line",),  # the position is said once, in front
+    ),
+    mistake(
+        "unknown-section-suggests-the-close-one",
         """
         [pipeline]
         name = "x"
 
         [telemetri]
         exporter = "none"
-        """
-    )
-    assert d.kind == "unknown-key"
-    at(d, 4)
-    assert "unknown section 'telemetri'" in d.message
-    assert "did you mean 'telemetry'?" in d.message
-
-
-def test_unknown_section_first_seen_in_an_array_of_tables_header():
-    d = only(
+        """,
+        "unknown-key", 4, "unknown section 'telemetri'", "did you mean 'telemetry'?",
+    ),
+    mistake(
+        "unknown-section-first-seen-in-an-array-of-tables-header",
         """
         [pipeline]
         name = "x"
 
         [[stor.stages]]
         use = "pass-through"
-        """
-    )
-    at(d, 4)
-    assert "did you mean 'store'?" in d.message
-
-
-def test_unknown_key_in_pipeline_section():
-    d = only(
+        """,
+        "unknown-key", 4, "did you mean 'store'?",
+    ),
+    mistake(
+        "unknown-key-in-pipeline-section",
         """
         [pipeline]
         name = "x"
         chunk_sise = 128
-        """
-    )
-    assert d.kind == "unknown-key"
-    at(d, 3)
-    assert "unknown key 'chunk_sise'" in d.message
-    assert "did you mean 'chunk_size'?" in d.message
-    assert "valid keys:" in d.message
-
-
-def test_wrong_type_of_a_value():
-    d = only(
+        """,
+        "unknown-key", 3, "unknown key 'chunk_sise'", "did you mean 'chunk_size'?", "valid keys:",
+    ),
+    mistake(
+        "wrong-type-of-a-value",
         """
         [pipeline]
         name = "x"
         save_partial_chunks = false
         chunk_size = "256"
-        """
-    )
-    assert d.kind == "invalid-value"
-    at(d, 4)
-    assert "chunk_size" in d.message and "expected int, got str" in d.message
-
-
-def test_bool_is_not_an_int():
-    d = only("[pipeline]\nchunk_size = true\n")
-    at(d, 2)
-    assert "expected int, got bool" in d.message
-
-
-def test_missing_use():
-    d = only(
+        """,
+        "invalid-value", 4, "chunk_size", "expected int, got str",
+    ),
+    mistake("bool-is-not-an-int", "[pipeline]\nchunk_size = true\n", "invalid-value", 2, "expected int, got bool"),
+    mistake(
+        "missing-use",
         """
         [[store.stages]]
         use = "pass-through"
 
         [[store.stages]]
         limit = 3
-        """
-    )
-    assert d.kind == "missing-key"
-    at(d, 4)  # the [[store.stages]] header of the second table
-    assert "#2" in d.message and "'use'" in d.message
-
-
-def test_use_that_is_not_a_string():
-    d = only('[[store.stages]]\nuse = 3\n')
-    assert d.kind == "invalid-value"
-    at(d, 2)
-    assert "'use' must be a string naming the stage, got int 3" in d.message
-
-
-def test_unknown_stage_name_suggests_the_close_one():
-    d = only(
+        """,
+        "missing-key", 4, "#2", "'use'",  # at the [[store.stages]] header of the second table
+    ),
+    mistake(
+        "use-that-is-not-a-string",
+        '[[store.stages]]\nuse = 3\n',
+        "invalid-value", 2, "'use' must be a string naming the stage, got int 3",
+    ),
+    mistake(
+        "unknown-stage-name-suggests-the-close-one",
         """
         [pipeline]
         name = "x"
 
         [[store.stages]]
         use = "pass-thru"
-        """
-    )
-    assert d.kind == "unknown-stage"
-    at(d, 5)
-    assert "unknown stage 'pass-thru'" in d.message
-    assert "did you mean 'pass-through'?" in d.message
-
-
-def test_dotted_name_with_missing_module_gives_an_install_hint():
-    d = only(
+        """,
+        "unknown-stage", 5, "unknown stage 'pass-thru'", "did you mean 'pass-through'?",
+    ),
+    mistake(
+        "dotted-name-with-missing-module-gives-an-install-hint",
         """
         [[store.stages]]
         use = "flowkv_no_such_package.stages:compact"
-        """
-    )
-    assert d.kind == "module-not-found"
-    at(d, 2)
-    assert "module 'flowkv_no_such_package' is not installed" in d.message
-    assert "pip install flowkv_no_such_package" in d.message
-
-
-def test_dotted_name_with_missing_attribute_names_the_module_file():
-    d = only(
+        """,
+        "module-not-found", 2,
+        "module 'flowkv_no_such_package' is not installed", "pip install flowkv_no_such_package",
+    ),
+    mistake(
+        "dotted-name-with-missing-attribute-names-the-module-file",
         """
         [[store.stages]]
         use = "flowkv.stages.basic:pass_thru"
-        """
-    )
-    assert d.kind == "attribute-not-found"
-    at(d, 2)
-    assert "has no attribute 'pass_thru'" in d.message
-    assert "basic.py" in d.message  # where it looked
-    assert "pip install" not in d.message  # the module is there: no install hint
-
-
-def test_dotted_name_of_a_function_that_is_not_a_stage():
-    d = only('[[store.stages]]\nuse = "textwrap:dedent"\n')
-    assert d.kind == "misuse"
-    at(d, 2)
-    assert "not declared with @flowkv.stage" in d.message
-
-
-def test_unknown_key_in_stage_settings():
-    d = only(
+        """,
+        "attribute-not-found", 2, "has no attribute 'pass_thru'",
+        "basic.py",  # where it looked
+        absent=("pip install",),  # the module is there: no install hint
+    ),
+    mistake(
+        "dotted-name-of-a-function-that-is-not-a-stage",
+        '[[store.stages]]\nuse = "textwrap:dedent"\n',
+        "misuse", 2, "not declared with @flowkv.stage",
+    ),
+    mistake(
+        "unknown-key-in-stage-settings",
         """
         [[store.stages]]
         use = "take"
         limit = 2
         limt = 3
-        """
-    )
-    assert d.kind == "unknown-key"
-    at(d, 4)
-    assert "stage 'take'" in d.message and "did you mean 'limit'?" in d.message
-
-
-def test_missing_required_stage_setting():
-    d = only(
+        """,
+        "unknown-key", 4, "stage 'take'", "did you mean 'limit'?",
+    ),
+    mistake(
+        "missing-required-stage-setting",
         """
         [[store.stages]]
         use = "pass-through"
 
         [[store.stages]]
         use = "take"
-        """
-    )
-    assert d.kind == "missing-key"
-    at(d, 4)
-    assert "stage 'take': missing required key 'limit'" in d.message
-
-
-def test_stage_setting_of_the_wrong_type():
-    d = only('[[store.stages]]\nuse = "take"\nlimit = "eight"\n')
-    assert d.kind == "invalid-value"
-    at(d, 3)
-    assert "limit" in d.message
-
-
-def test_stage_in_the_wrong_list():
-    found = diagnostics(
-        """
-        [tiers.memory]
-        kind = "memory"
-
-        [[retrieve.stages]]
-        use = "tokenize"
-
-        [[retrieve.stages]]
-        use = "compress"
-        """
-    )
-    wrong = [d for d in found if "cannot run in a retrieve pipeline" in d.message]
-    assert len(wrong) == 1
-    assert wrong[0].kind == "graph"
-    at(wrong[0], 8)
-    assert "it runs in: store" in wrong[0].message
-
-
-def test_stage_whose_needed_facet_no_earlier_stage_gives():
-    d = only(
+        """,
+        "missing-key", 4, "stage 'take': missing required key 'limit'",
+    ),
+    mistake(
+        "stage-setting-of-the-wrong-type",
+        '[[store.stages]]\nuse = "take"\nlimit = "eight"\n',
+        "invalid-value", 3, "limit",
+    ),
+    mistake(
+        "stage-whose-needed-facet-no-earlier-stage-gives",
         """
         [tiers.memory]
         kind = "memory"
@@ -271,16 +200,11 @@ def test_stage_whose_needed_facet_no_earlier_stage_gives():
 
         [[store.stages]]
         use = "gather"
-        """
-    )
-    assert d.kind == "graph"
-    at(d, 11)
-    assert "stage 'gather' needs buffer" in d.message
-    assert "add 'allocate' before it" in d.message
-
-
-def test_stage_referencing_an_undeclared_tier():
-    d = only(
+        """,
+        "graph", 11, "stage 'gather' needs buffer", "add 'allocate' before it",
+    ),
+    mistake(
+        "stage-referencing-an-undeclared-tier",
         """
         [tiers.memory]
         kind = "memory"
@@ -304,12 +228,137 @@ def test_stage_referencing_an_undeclared_tier():
         [[store.stages]]
         use = "put"
         tiers = ["memory", "dsik"]
+        """,
+        "unknown-tier", 22, "tier 'dsik' is not declared", "did you mean 'disk'?",
+    ),
+    *(
+        mistake(f"bad-size-{size}", f'[tiers.memory]\nkind = "memory"\ncapacity = "{size}"\n',
+                "invalid-value", 3, "capacity", "invalid size")
+        for size in ["4GB B", "lots", "4 GiBs", "-1GiB"]
+    ),
+    mistake(
+        "negative-integer-size",
+        '[tiers.memory]\nkind = "memory"\ncapacity = -3\n',
+        "invalid-value", 3, "cannot be negative",
+    ),
+    *(
+        mistake(f"chunk-size-must-be-positive-{value}", f'[pipeline]\nname = "x"\nchunk_size = {value}\n',
+                "invalid-value", 3, f"chunk_size must be positive, got {value}")
+        for value in [0, -256]
+    ),
+    mistake(
+        "unknown-hash-function",
+        '[pipeline]\nname = "x"\nhash = "sha257"\n',
+        "invalid-value", 3, "unknown hash function 'sha257'", "sha256",
+    ),
+    *(
+        mistake(f"sampling-out-of-range-{value}", f'[telemetry]\nexporter = "console"\nsampling = {value}\n',
+                "invalid-value", 3, "sampling must be between 0 and 1")
+        for value in [1.5, -0.1]
+    ),
+    mistake(
+        "otlp-without-endpoint",
+        '[pipeline]\nname = "x"\n\n[telemetry]\nexporter = "otlp"\n',
+        "missing-key", 5, "needs an endpoint",
+    ),
+    mistake("unknown-exporter", '[telemetry]\nexporter = "jaeger"\n', "invalid-value", 2, "jaeger"),
+    mistake(
+        "unknown-tier-kind",
+        """
+        [tiers.fast]
+        capacity = "1GiB"
+        kind = "memroy"
+        """,
+        "unknown-tier", 3, "tier 'fast'", "did you mean 'memory'?",
+    ),
+    mistake(
+        "tier-without-kind-and-not-a-kind-name",
+        '[tiers.fast]\ncapacity = "1GiB"\n',
+        "missing-key", 1, "tier 'fast': missing required key 'kind'",
+    ),
+    mistake(
+        "unknown-key-in-tier-table",
+        """
+        [tiers.memory]
+        kind = "memory"
+        capacty = "1GiB"
+        """,
+        "unknown-key", 3, "tier 'memory'", "did you mean 'capacity'?",
+    ),
+    mistake(
+        "unknown-key-in-disk-tier-lists-its-own-and-guard-keys-apart",
+        """
+        [tiers.disk]
+        path = "/tmp/flowkv-never-created"
+        capacity = "1GiB"
+        timeout_s = 0.5
+        fsynk = true
+
+        [tiers.memory]
+        """,
+        "unknown-key", 5, "did you mean 'fsync'?",
+    ),
+    mistake("empty-tiers-table", '[pipeline]\nname = "x"\n\n[tiers]\n', "missing-key", 4),
+    mistake(
+        "tiers-without-a-memory-tier",
+        """
+        [tiers.disk]
+        kind = "disk"
+        path = "/tmp/flowkv-never-created"
+        capacity = "1GiB"
+        """,
+        "graph", 1, "exactly one tier of kind 'memory' (found 0)",
+    ),
+    mistake(
+        "two-memory-tiers-point-at-the-second",
+        """
+        [tiers.fast]
+        kind = "memory"
+
+        [tiers.more]
+        kind = "memory"
+        """,
+        "graph", 4, "found 2: fast, more",
+    ),
+    # Columns.
+    mistake("column-of-an-indented-key", '[pipeline]\n    name = "x"\n    chunk_sise = 3\n', "unknown-key", 3, col=5),
+    mistake(
+        "column-of-a-key-in-an-inline-table",
+        '[tiers]\nmemory = { kind = "memory", capacty = 3 }\n',
+        "unknown-key", 2, "did you mean 'capacity'?", col=29,
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "kind", "line", "col", "says", "absent"), ONE_MISTAKE)
+def test_one_mistake_is_reported_at_its_place(text, kind, line, col, says, absent):
+    d = only(text)
+    assert d.kind == kind, str(d)
+    at(d, line, col)
+    for words in says:
+        assert words in d.message
+    for words in absent:
+        assert words not in d.message
+
+
+def test_stage_in_the_wrong_list():
+    found = diagnostics(
+        """
+        [tiers.memory]
+        kind = "memory"
+
+        [[retrieve.stages]]
+        use = "tokenize"
+
+        [[retrieve.stages]]
+        use = "compress"
         """
     )
-    assert d.kind == "unknown-tier"
-    at(d, 22)
-    assert "tier 'dsik' is not declared" in d.message
-    assert "did you mean 'disk'?" in d.message
+    wrong = [d for d in found if "cannot run in a retrieve pipeline" in d.message]
+    assert len(wrong) == 1
+    assert wrong[0].kind == "graph"
+    at(wrong[0], 8)
+    assert "it runs in: store" in wrong[0].message
 
 
 def test_undeclared_disk_tier_says_how_to_declare_it():
@@ -330,130 +379,12 @@ def test_undeclared_disk_tier_says_how_to_declare_it():
     assert "[tiers.disk]" in undeclared[0].message
 
 
-@pytest.mark.parametrize("size", ["4GB B", "lots", "4 GiBs", "-1GiB"])
-def test_bad_size(size):
-    d = only(f'[tiers.memory]\nkind = "memory"\ncapacity = "{size}"\n')
-    assert d.kind == "invalid-value"
-    at(d, 3)
-    assert "capacity" in d.message and "invalid size" in d.message
-
-
-def test_negative_integer_size():
-    d = only('[tiers.memory]\nkind = "memory"\ncapacity = -3\n')
-    at(d, 3)
-    assert "cannot be negative" in d.message
-
-
-@pytest.mark.parametrize("value", [0, -256])
-def test_chunk_size_must_be_positive(value):
-    d = only(f'[pipeline]\nname = "x"\nchunk_size = {value}\n')
-    assert d.kind == "invalid-value"
-    at(d, 3)
-    assert f"chunk_size must be positive, got {value}" in d.message
-
-
-def test_unknown_hash_function():
-    d = only('[pipeline]\nname = "x"\nhash = "sha257"\n')
-    assert d.kind == "invalid-value"
-    at(d, 3)
-    assert "unknown hash function 'sha257'" in d.message
-    assert "sha256" in d.message
-
-
-@pytest.mark.parametrize("value", [1.5, -0.1])
-def test_sampling_out_of_range(value):
-    d = only(f'[telemetry]\nexporter = "console"\nsampling = {value}\n')
-    assert d.kind == "invalid-value"
-    at(d, 3)
-    assert "sampling must be between 0 and 1" in d.message
-
-
-def test_otlp_without_endpoint():
-    d = only('[pipeline]\nname = "x"\n\n[telemetry]\nexporter = "otlp"\n')
-    assert d.kind == "missing-key"
-    at(d, 5)
-    assert "needs an endpoint" in d.message
-
-
 def test_otlp_with_endpoint_loads():
     pipeline = loads_pipeline('[telemetry]\nexporter = "otlp"\nendpoint = "http://localhost:4317"\n')
     assert pipeline.telemetry.endpoint == "http://localhost:4317"
 
 
-def test_unknown_exporter():
-    d = only('[telemetry]\nexporter = "jaeger"\n')
-    assert d.kind == "invalid-value"
-    at(d, 2)
-    assert "jaeger" in d.message
-
-
-def test_unknown_tier_kind():
-    d = only(
-        """
-        [tiers.fast]
-        capacity = "1GiB"
-        kind = "memroy"
-        """
-    )
-    assert d.kind == "unknown-tier"
-    at(d, 3)
-    assert "tier 'fast'" in d.message and "did you mean 'memory'?" in d.message
-
-
-def test_tier_without_kind_and_not_a_kind_name():
-    d = only('[tiers.fast]\ncapacity = "1GiB"\n')
-    assert d.kind == "missing-key"
-    at(d, 1)
-    assert "tier 'fast': missing required key 'kind'" in d.message
-
-
-def test_unknown_key_in_tier_table():
-    d = only(
-        """
-        [tiers.memory]
-        kind = "memory"
-        capacty = "1GiB"
-        """
-    )
-    assert d.kind == "unknown-key"
-    at(d, 3)
-    assert "tier 'memory'" in d.message and "did you mean 'capacity'?" in d.message
-
-
-def test_unknown_key_in_disk_tier_lists_its_own_and_guard_keys_apart():
-    d = only(
-        """
-        [tiers.disk]
-        path = "/tmp/flowkv-never-created"
-        capacity = "1GiB"
-        timeout_s = 0.5
-        fsynk = true
-
-        [tiers.memory]
-        """
-    )
-    at(d, 5)
-    assert "did you mean 'fsync'?" in d.message
-
-
-def test_empty_tiers_table():
-    d = only('[pipeline]\nname = "x"\n\n[tiers]\n')
-    assert d.kind == "missing-key"
-    at(d, 4)
-
-
 # -- columns -----------------------------------------------------------------
-
-
-def test_column_of_an_indented_key():
-    d = only('[pipeline]\n    name = "x"\n    chunk_sise = 3\n')
-    at(d, 3, 5)
-
-
-def test_column_of_a_key_in_an_inline_table():
-    d = only('[tiers]\nmemory = { kind = "memory", capacty = 3 }\n')
-    at(d, 2, 29)
-    assert "did you mean 'capacity'?" in d.message
 
 
 def test_column_of_a_key_in_an_inline_stage_table():
@@ -620,33 +551,6 @@ def test_resolve_source_missing_path(tmp_path):
         resolve_source(tmp_path / "absent.toml")
     with pytest.raises(FileNotFoundError, match="pipeline file not found"):
         resolve_source("some/dir/absent")
-
-
-def test_tiers_without_a_memory_tier():
-    d = only(
-        """
-        [tiers.disk]
-        kind = "disk"
-        path = "/tmp/flowkv-never-created"
-        capacity = "1GiB"
-        """
-    )
-    assert d.kind == "graph"
-    assert "exactly one tier of kind 'memory' (found 0)" in d.message
-
-
-def test_two_memory_tiers_point_at_the_second():
-    d = only(
-        """
-        [tiers.fast]
-        kind = "memory"
-
-        [tiers.more]
-        kind = "memory"
-        """
-    )
-    at(d, 4)
-    assert "found 2: fast, more" in d.message
 
 
 def test_dumps_pipeline_reads_back():
