@@ -8,13 +8,14 @@
     +----------------+--+--------+----------------+----+--------------+
       MemoryObj       MemoryObj   MemoryObj
 
-Every object takes one contiguous run of pages, as many as its bytes need:
-a full raw chunk takes ``slab_bytes`` (the largest object), a partial chunk
-or an encoded payload only what it uses, so compression and partial chunks
-make room for more entries. Pages default to 4 KiB. Free runs are
-coalesced when freed; allocation takes the first free run that fits (the
-same-sized full chunks of a steady workload reuse each other's runs), never
-waits, and answers ``None`` when no run is long enough.
+Every object takes one contiguous run of pages, as many as its bytes need
+(a full raw chunk, a partial chunk, an encoded payload: each only what it
+uses), so compression and partial chunks make room for more entries.
+``slab_bytes`` bounds the largest object: a full chunk and a margin for an
+encoding that came out larger than the raw bytes. Pages default to 4 KiB.
+Free runs are coalesced when freed; allocation takes the first free run that
+fits (the same-sized full chunks of a steady workload reuse each other's
+runs), never waits, and answers ``None`` when no run is long enough.
 
 Ownership: `allocate` returns an object with ``ref_count == 1`` held by the
 caller. The tier takes its own reference on `MemoryTier.put`; `MemoryTier.get`
