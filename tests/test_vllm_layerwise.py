@@ -48,8 +48,8 @@ def llm(tmp_path_factory, traces):
     path = pipeline_file(
         tmp_path_factory.mktemp("pipelines"),
         name="local-cpu-layerwise-test",
-        retrieve_before_get='[[retrieve.stages]]\nuse = "vllm_helpers:evict_chunk"\n',
-        retrieve_before_scatter='[[retrieve.stages]]\nuse = "vllm_helpers:drop_layer"\n',
+        retrieve_before_get=["vllm_helpers:evict_chunk"],
+        retrieve_before_scatter=["vllm_helpers:drop_layer"],
     )
     engine = make_llm(
         {

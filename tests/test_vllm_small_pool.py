@@ -36,7 +36,7 @@ def llm(tmp_path_factory):
     path = pipeline_file(
         folder,
         name="local-cpu-evict-test",
-        retrieve_before_get='[[retrieve.stages]]\nuse = "vllm_helpers:evict_chunk"\n',
+        retrieve_before_get=["vllm_helpers:evict_chunk"],
     )
     engine = make_llm({"pipeline": str(path)}, kv_cache_blocks=POOL_BLOCKS, max_num_batched_tokens=1024)
     yield engine

@@ -18,6 +18,7 @@ from typing import Any
 from flowkv import stage
 from flowkv._testing.tiny_model import tiny_model
 from flowkv.items import Chunk
+from flowkv.pipeline import dumps_pipeline
 
 BLOCK_SIZE = 128
 CHUNK_SIZE = 256
@@ -137,50 +138,18 @@ def stats(llm) -> dict[str, Any]:
 
 
 def pipeline_file(
-    folder: Path, *, name: str, extra_tables: str = "", retrieve_before_get: str = "",
-    retrieve_before_scatter: str = "",
+    folder: Path, *, name: str, retrieve_before_get: Sequence[str] = (), retrieve_before_scatter: Sequence[str] = (),
 ) -> Path:
-    """Write a local-cpu-like pipeline file; optionally insert retrieve stages before ``get`` or ``scatter``."""
+    """Write a local-cpu-like pipeline file; the named stages go into retrieve before ``get`` or ``scatter``."""
     path = folder / f"{name}.toml"
     path.write_text(
-        f"""
-[pipeline]
-name = "{name}"
-chunk_size = {CHUNK_SIZE}
-
-[tiers.memory]
-kind = "memory"
-capacity = "256MiB"
-{extra_tables}
-[[store.stages]]
-use = "tokenize"
-[[store.stages]]
-use = "chunk-hash"
-[[store.stages]]
-use = "allocate"
-[[store.stages]]
-use = "gather"
-[[store.stages]]
-use = "compress"
-codec = "none"
-[[store.stages]]
-use = "put"
-
-[[retrieve.stages]]
-use = "tokenize"
-[[retrieve.stages]]
-use = "chunk-hash"
-[[retrieve.stages]]
-use = "lookup"
-{retrieve_before_get}
-[[retrieve.stages]]
-use = "get"
-[[retrieve.stages]]
-use = "decompress"
-{retrieve_before_scatter}
-[[retrieve.stages]]
-use = "scatter"
-""",
+        dumps_pipeline(
+            pipeline={"name": name, "chunk_size": CHUNK_SIZE},
+            tiers={"memory": {"kind": "memory", "capacity": "256MiB"}},
+            store=["tokenize", "chunk-hash", "allocate", "gather", ("compress", {"codec": "none"}), "put"],
+            retrieve=["tokenize", "chunk-hash", "lookup", *retrieve_before_get, "get", "decompress",
+                      *retrieve_before_scatter, "scatter"],
+        ),
         encoding="utf-8",
     )
     return path
