@@ -46,9 +46,3 @@ def parse_size(text: str | int) -> int:
         raise ValueError(f"size {text!r} is not a whole number of bytes ({exact} B)")
     return int(exact)
 
-
-def format_size(num_bytes: int) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.4g}{unit}"
-    return f"{num_bytes}B"
