@@ -33,9 +33,8 @@ _providers: dict[TelemetrySpec, TracerProvider] = {}
 _NOOP = trace.NoOpTracer()
 
 
-def make_exporter(spec: TelemetrySpec) -> SpanExporter | None:
-    if spec.exporter == "none":
-        return None
+def make_exporter(spec: TelemetrySpec) -> SpanExporter:
+    """The span exporter ``[telemetry]`` asks for (not called for ``exporter = "none"``)."""
     if spec.exporter == "console":
         return ConsoleSpanExporter()
     if spec.exporter == "file":
@@ -67,19 +66,19 @@ def provider_for(spec: TelemetrySpec) -> TracerProvider | None:
                 sampler=ParentBased(TraceIdRatioBased(spec.sampling)),
             )
             exporter = make_exporter(spec)
-            if exporter is not None:
-                processor = (
-                    SimpleSpanProcessor(exporter)
-                    if spec.exporter == "console"
-                    # A short delay: inference processes are often stopped, not shut down.
-                    else BatchSpanProcessor(exporter, schedule_delay_millis=200)
-                )
-                provider.add_span_processor(processor)
+            processor = (
+                SimpleSpanProcessor(exporter)
+                if spec.exporter == "console"
+                # A short delay: inference processes are often stopped, not shut down.
+                else BatchSpanProcessor(exporter, schedule_delay_millis=200)
+            )
+            provider.add_span_processor(processor)
             _providers[spec] = provider
         return provider
 
 
 def tracer_for(spec: TelemetrySpec) -> trace.Tracer:
+    """The tracer for a pipeline's ``[telemetry]``: a no-op one when telemetry is off."""
     provider = provider_for(spec)
     if provider is None:
         return _NOOP
