@@ -45,4 +45,3 @@ def parse_size(text: str | int) -> int:
     if exact != exact.to_integral_value():
         raise ValueError(f"size {text!r} is not a whole number of bytes ({exact} B)")
     return int(exact)
-
