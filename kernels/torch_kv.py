@@ -118,31 +118,25 @@ def _scatter_by_indexing(chunk: torch.Tensor, group: torch.Tensor, slots: torch.
     group[:, :, slots // block_size, slots % block_size] = chunk
 
 
-def _gather_dense(groups: list[LayerGroup], slots: torch.Tensor, out: torch.Tensor) -> None:
-    """Gather with no skipped slots into a contiguous ``out``."""
+def _move_dense(groups: list[LayerGroup], slots: torch.Tensor, chunk: torch.Tensor, *, to_chunk: bool) -> None:
+    """Copy between every group and a contiguous ``chunk``, with no skipped slots:
+    into ``chunk`` (gather) when ``to_chunk``, else into the cache (scatter)."""
     block_ids = whole_block_ids(slots, groups[0][1].shape[3])
     for first, group in groups:
-        dst = out[first : first + group.shape[0]]
+        part = chunk[first : first + group.shape[0]]
         plan = _row_plan(group, slots, block_ids)
         if plan is None:
-            _gather_by_indexing(group, slots, dst)
+            if to_chunk:
+                _gather_by_indexing(group, slots, part)
+            else:
+                _scatter_by_indexing(part, group, slots)
             continue
         rows, index, row = plan
-        cache_rows, chunk_rows = _as_wide(rows, dst, row)
-        torch.index_select(cache_rows, 0, index, out=chunk_rows)
-
-
-def _scatter_dense(chunk: torch.Tensor, groups: list[LayerGroup], slots: torch.Tensor) -> None:
-    block_ids = whole_block_ids(slots, groups[0][1].shape[3])
-    for first, group in groups:
-        src = chunk[first : first + group.shape[0]]
-        plan = _row_plan(group, slots, block_ids)
-        if plan is None:
-            _scatter_by_indexing(src, group, slots)
-            continue
-        rows, index, row = plan
-        cache_rows, chunk_rows = _as_wide(rows, src, row)
-        cache_rows.index_copy_(0, index, chunk_rows)
+        cache_rows, chunk_rows = _as_wide(rows, part, row)
+        if to_chunk:
+            torch.index_select(cache_rows, 0, index, out=chunk_rows)
+        else:
+            cache_rows.index_copy_(0, index, chunk_rows)
 
 
 def gather_groups(groups: list[LayerGroup], slots: torch.Tensor, out: torch.Tensor) -> None:
@@ -150,13 +144,13 @@ def gather_groups(groups: list[LayerGroup], slots: torch.Tensor, out: torch.Tens
     ``(layers, kv, tokens, heads, head_size)``); slot -1 leaves its row of ``out`` as is."""
     skipped = slots < 0
     if not bool(skipped.any()):
-        _gather_dense(groups, slots, out)
+        _move_dense(groups, slots, out, to_chunk=True)
         return
     kept = torch.nonzero(~skipped).squeeze(1)
     if kept.numel() == 0:
         return
     dense = out.new_empty(out.shape[:2] + (kept.numel(),) + out.shape[3:])
-    _gather_dense(groups, slots[kept], dense)
+    _move_dense(groups, slots[kept], dense, to_chunk=True)
     out.index_copy_(2, kept, dense)
 
 
@@ -164,9 +158,9 @@ def scatter_groups(chunk: torch.Tensor, groups: list[LayerGroup], slots: torch.T
     """Write ``chunk`` (contiguous) into the cache at ``slots``; slot -1 writes nothing."""
     skipped = slots < 0
     if not bool(skipped.any()):
-        _scatter_dense(chunk, groups, slots)
+        _move_dense(groups, slots, chunk, to_chunk=False)
         return
     kept = torch.nonzero(~skipped).squeeze(1)
     if kept.numel() == 0:
         return
-    _scatter_dense(chunk.index_select(2, kept), groups, slots[kept])
+    _move_dense(groups, slots[kept], chunk.index_select(2, kept), to_chunk=False)
