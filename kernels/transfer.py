@@ -49,30 +49,33 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _layer_groups(views: list[torch.Tensor]) -> list[torch_kv.LayerGroup]:
-    """Split canonical layer views into runs that are one strided tensor: same
-    storage, same strides, storage offsets a fixed positive distance apart."""
+def _layer_groups(layers: list[torch.Tensor], geometry: KVGeometry) -> list[torch_kv.LayerGroup]:
+    """Split the layers into runs that are one strided tensor (same storage, dtype, shape
+    and strides, storage offsets a fixed positive distance apart), each a canonical view
+    with a leading layer dim. Only a run's first layer is checked against the geometry
+    and viewed: the others equal it in everything but their offset."""
     groups: list[torch_kv.LayerGroup] = []
     start = 0
-    while start < len(views):
-        first = views[start]
+    while start < len(layers):
+        first = layers[start]
         end, step = start + 1, 0
-        while end < len(views):
-            view = views[end]
-            distance = view.storage_offset() - views[end - 1].storage_offset()
+        while end < len(layers):
+            layer = layers[end]
+            distance = layer.storage_offset() - layers[end - 1].storage_offset()
             if (
-                not _same_storage(first, view)
-                or view.stride() != first.stride()
-                or view.shape != first.shape
+                not _same_storage(first, layer)
+                or layer.dtype != first.dtype
+                or layer.stride() != first.stride()
+                or layer.shape != first.shape
                 or distance <= 0
                 or (step and distance != step)
             ):
                 break
             step = distance
             end += 1
-        group = first.as_strided(
-            (end - start, *first.shape), (step, *first.stride()), first.storage_offset()
-        )
+        # A canonical view keeps its layer's storage offset, so the run's offsets step alike.
+        view = canonical_view(first, geometry)
+        group = view.as_strided((end - start, *view.shape), (step, *view.stride()), view.storage_offset())
         groups.append((start, group))
         start = end
     return groups
@@ -113,16 +116,19 @@ def _prepare(
     if not chunk.is_contiguous():
         raise ValueError(f"{chunk_name} must be contiguous")
 
-    views = [canonical_view(cache_layers[i], geometry) for i in layer_ids]
+    groups = _layer_groups([cache_layers[i] for i in layer_ids], geometry)
+    num_blocks = groups[0][1].shape[2]
+    if any(group.shape[2] != num_blocks for _, group in groups):
+        raise ValueError(f"KV layers hold different numbers of blocks: {[group.shape[2] for _, group in groups]}")
     if slots.numel():
-        slots_per_layer = views[0].shape[1] * geometry.block_size
+        slots_per_layer = num_blocks * geometry.block_size
         low, high = torch.aminmax(slots)
         if int(low) < -1 or int(high) >= slots_per_layer:
             raise ValueError(
                 f"slot_mapping holds slots in [{int(low)}, {int(high)}]; valid slots are -1 "
-                f"(skip) and 0..{slots_per_layer - 1} ({views[0].shape[1]} blocks of {geometry.block_size})"
+                f"(skip) and 0..{slots_per_layer - 1} ({num_blocks} blocks of {geometry.block_size})"
             )
-    return _layer_groups(views), slots
+    return groups, slots
 
 
 def gather(

@@ -204,6 +204,11 @@ def test_bad_arguments_are_reported():
         gather(caches, g, slots, out, impl="cuda")
     with pytest.raises(ValueError, match="does not match layout"):
         gather(make_paged_kv(geometry_for("flash_kv_nhd"), NUM_BLOCKS, seed=0), g, slots, out)
+    # A layer unlike the one before it starts its own group and is checked on its own.
+    with pytest.raises(ValueError, match="KV layer dtype torch.float32"):
+        gather(caches[:2] + [caches[2].float()], g, slots, out)
+    with pytest.raises(ValueError, match="different numbers of blocks"):
+        gather(caches[:2] + [caches[2][:4]], g, slots, out)
 
 
 def test_geometry_shapes_and_sizes():
