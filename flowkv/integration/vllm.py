@@ -287,7 +287,8 @@ class FlowKVMetadata(KVConnectorMetadata):
 
 @dataclass
 class _RequestState:
-    request: Request  # vLLM's live object: all_token_ids grows as it decodes
+    # vLLM's live object: all_token_ids grows as it decodes; a slice of it is a new list.
+    request: Request
     tags: dict[str, str]
     skip_save: bool
     block_ids: list[int] = field(default_factory=list)
@@ -607,9 +608,9 @@ class FlowKVConnector(KVConnectorBase_V1):
                         req_id=req_id,
                         # To the end of the chunk holding the last loaded token
                         # (a stored partial chunk ends at the hit).
-                        token_ids=list(state.request.all_token_ids[
+                        token_ids=state.request.all_token_ids[
                             :min(_ceil(end, self._chunk_size), max(state.hit_tokens, end))
-                        ]),
+                        ],
                         block_ids=list(state.block_ids),
                         start=start,
                         end=end,
@@ -634,7 +635,7 @@ class FlowKVConnector(KVConnectorBase_V1):
                 meta.saves.append(
                     SaveSpec(
                         req_id=req_id,
-                        token_ids=list(state.request.all_token_ids[:store_end]),
+                        token_ids=state.request.all_token_ids[:store_end],
                         block_ids=list(state.block_ids),
                         skip_prefix=state.stored_end,
                         tags=state.tags,
