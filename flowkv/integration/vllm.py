@@ -421,9 +421,9 @@ class _StepTrace:
 
 def worker_socket(vllm_config: VllmConfig, rank: int = 0) -> Path:
     """The lookup socket of one worker of a running vLLM instance."""
-    extra = vllm_config.kv_transfer_config.kv_connector_extra_config if vllm_config.kv_transfer_config else {}
-    ipc_dir = Path(extra["ipc_dir"]) if extra.get("ipc_dir") else default_ipc_dir()
-    return socket_path(ipc_dir, vllm_config.instance_id, vllm_config.parallel_config.data_parallel_rank, rank)
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config if vllm_config.kv_transfer_config else None
+    settings = ConnectorSettings.from_extra_config(extra, default_model=vllm_config.model_config.model)
+    return socket_path(settings.ipc_dir, vllm_config.instance_id, vllm_config.parallel_config.data_parallel_rank, rank)
 
 
 def flush_worker_traces(vllm_config: VllmConfig, rank: int = 0, *, timeout_ms: int = 10000) -> None:
