@@ -131,6 +131,17 @@ def test_layer_subsets(layout, layers, shared_storage):
     assert_caches_equal(restored, expected)
 
 
+def assert_round_trip_into_zeros(source, g: KVGeometry, slots) -> None:
+    """Gather from ``source``, scatter into zeroed caches (``zeros_like``): both equal the reference."""
+    chunk = gather(source, g, slots, torch.empty(g.chunk_shape(len(slots)), dtype=g.dtype))
+    assert torch.equal(chunk, reference_gather(source, g, slots))
+    restored = [torch.zeros_like(t) for t in source]
+    scatter(chunk, restored, g, slots)
+    expected = [torch.zeros_like(t) for t in source]
+    reference_scatter(chunk, expected, g, slots)
+    assert_caches_equal(restored, expected)
+
+
 def blocks_outermost_caches(g: KVGeometry, seed: int) -> list[torch.Tensor]:
     """Layers interleaved inside each block of one buffer (vLLM's BL* layouts):
     each layer a strided, non-contiguous view."""
@@ -145,28 +156,14 @@ def test_strided_layers_blocks_outermost(layout):
     g = geometry_for(layout)
     source = blocks_outermost_caches(g, seed=7)
     assert not source[0].is_contiguous()
-    slots = random_slot_mapping(64, g, NUM_BLOCKS, seed=8)
-    chunk = gather(source, g, slots, torch.empty(g.chunk_shape(64), dtype=g.dtype))
-    assert torch.equal(chunk, reference_gather(source, g, slots))
-    restored = [torch.zeros_like(t) for t in source]
-    scatter(chunk, restored, g, slots)
-    expected = [torch.zeros_like(t) for t in source]
-    reference_scatter(chunk, expected, g, slots)
-    assert_caches_equal(restored, expected)
+    assert_round_trip_into_zeros(source, g, random_slot_mapping(64, g, NUM_BLOCKS, seed=8))
 
 
 def test_head_dim_not_contiguous_uses_indexing_path():
     g = geometry_for("flash_kv_nhd")
     physical = torch.randn(g.num_layers, 2, NUM_BLOCKS, g.block_size, g.head_size, g.num_kv_heads).to(g.dtype)
     source = [layer.transpose(-1, -2) for layer in physical]  # logical (2, nb, bs, H, D), dim stride H
-    slots = random_slot_mapping(30, g, NUM_BLOCKS, seed=9)
-    chunk = gather(source, g, slots, torch.empty(g.chunk_shape(30), dtype=g.dtype))
-    assert torch.equal(chunk, reference_gather(source, g, slots))
-    restored = [torch.zeros_like(t) for t in source]
-    scatter(chunk, restored, g, slots)
-    expected = [torch.zeros_like(t) for t in source]
-    reference_scatter(chunk, expected, g, slots)
-    assert_caches_equal(restored, expected)
+    assert_round_trip_into_zeros(source, g, random_slot_mapping(30, g, NUM_BLOCKS, seed=9))
 
 
 def test_dict_of_layers_keeps_insertion_order():
