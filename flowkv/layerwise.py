@@ -122,6 +122,8 @@ class LayerwiseRetrieve(LayerwiseRun):
         items = engine._run_with(engine.segments[("retrieve", "head")], [self.request], self.ctx,
                                  parent=self.span)
         self.chunks = [c for c in items if isinstance(c, Chunk) and not c.skip]
+        if not self.chunks:  # nothing to load: wait() has no layer to wait for
+            return
         for layer in range(self.num_layers):
             self.submit(layer)
 
@@ -160,6 +162,8 @@ class LayerwiseStore(LayerwiseRun):
             items = engine._run_with(engine.segments[("store", "head")], [self.request], self.ctx,
                                      parent=self.span)
             self.chunks = [c for c in items if isinstance(c, Chunk)]
+        if not self.chunks:  # nothing new to store: no per-layer runs, spans or events
+            return
         ready = None
         if self.stream is not None:
             ready = torch.cuda.Event()

@@ -204,3 +204,21 @@ def test_layerwise_latencies_cover_only_their_own_call() -> None:
     for kind in ("store", "retrieve"):
         [ms] = latencies[kind]
         assert 0 < ms <= elapsed_ms, (kind, ms, elapsed_ms)
+
+
+def test_nothing_to_move_runs_no_layer_blocks(tmp_path) -> None:
+    folder = tmp_path / "traces"
+    g = geometry()
+    src, dst, tokens, slots = paged_request(g, seed=20)
+    engine = make_engine(g, **{"telemetry.exporter": "file", "telemetry.folder": str(folder)})
+    assert engine.store(tokens, kv_caches=src, slot_mapping=slots) == 5 * CHUNK
+    assert engine.store(tokens, kv_caches=src, slot_mapping=slots) == 0  # every chunk already held
+    unknown = tokens + 1000
+    assert not engine.retrieve(unknown, kv_caches=dst, slot_mapping=slots).any()
+    telemetry.flush()
+    [trace_file] = folder.glob("flowkv-*.json")
+    names = [s.name for s in load_spans(trace_file)]
+    # Only the first store moved data: one gather per layer, and no scatter or wait at all.
+    assert names.count("gather") == g.num_layers
+    assert names.count("scatter") == 0 and names.count("flowkv.wait") == 0
+    assert names.count("flowkv.store.layerwise") == 2 and names.count("flowkv.retrieve.layerwise") == 1
