@@ -20,9 +20,12 @@ from typing import Any
 from flowkv.demo import DEMO_MODEL, build_llm, default_model_dir, flowkv_config, setup_environment, shutdown
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
+# Positions past the longest prompt in max_model_len: the generated token's.
+_ROOM = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``flowkv bench ttft``."""
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="write a plot of TTFT against prompt length")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
@@ -57,12 +60,29 @@ def _peers(tmp: Path, pipeline: str) -> dict[str, Any]:
     }
 
 
+def _lengths(text: str) -> list[int]:
+    """``"1024,2048"`` -> [1024, 2048]; every length a positive int the demo model can take."""
+    limit = DEMO_MODEL["max_position_embeddings"] - _ROOM
+    try:
+        lengths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--lengths must be comma-separated token counts, got {text!r}") from None
+    if not lengths or not all(0 < n <= limit for n in lengths):
+        raise ValueError(f"--lengths must be token counts in 1..{limit}, got {text!r}")
+    return lengths
+
+
 def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; print a table (or JSON). Returns the exit status."""
+    try:
+        lengths = _lengths(args.lengths)
+    except ValueError as exc:
+        print(f"flowkv bench ttft: {exc}", file=sys.stderr)
+        return 2
     setup_environment()
     from flowkv.demo import time_to_first_token
     from flowkv.testing import tiny_model
 
-    lengths = [int(x) for x in args.lengths.split(",") if x]
     model = tiny_model(args.model_dir, **DEMO_MODEL)
     vocab = DEMO_MODEL["vocab_size"]
     results: dict[str, Any] = {"lengths": lengths, "ttft_s": {}, "served_tokens": {}, "failed": {}}
@@ -70,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         for name, config in _peers(Path(tmp), args.pipeline).items():
             print(f"bench ttft: {name}...", file=sys.stderr)
             try:
-                llm = build_llm(model, kv_transfer_config=config, max_model_len=max(lengths) + 16)
+                llm = build_llm(model, kv_transfer_config=config, max_model_len=max(lengths) + _ROOM)
             except Exception as exc:  # a peer that cannot start here is reported, not fatal
                 results["failed"][name] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
                 continue
