@@ -373,21 +373,9 @@ class CacheEngine:
 
     def stats(self) -> dict[str, Any]:
         """Counters of the engine and each tier."""
-        memory = self.memory.stats()
         out: dict[str, Any] = dict(self._counters)
         out["healthy"] = self.is_healthy()
-        out["tiers"] = {
-            self.memory_name: {
-                "entries": memory.entries,
-                "used_bytes": memory.used_bytes,
-                "capacity_bytes": memory.capacity_bytes,
-                "evictions": memory.evictions,
-                "allocation_failures": memory.allocation_failures,
-                "pinned_objects": memory.pinned_objects,
-                "hits": memory.hits,
-                "misses": memory.misses,
-            }
-        }
+        out["tiers"] = {self.memory_name: attrs.asdict(self.memory.stats())}
         for name, tier in self.slow.items():
             out["tiers"][name] = {**tier.stats(), **self._write_behind[name].stats()}
         return out
