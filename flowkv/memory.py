@@ -390,6 +390,9 @@ class MemoryTier:
         self._pins: dict[str, dict[Any, float]] = {}
         # owner_id -> keys it pinned, so release_owner does not scan every pin
         self._owner_keys: dict[Any, set[str]] = {}
+        # No pin's deadline is earlier (a bound: a pin released or moved later leaves
+        # it low), so expire_pins, run by every engine call, scans only when one may be due.
+        self._earliest_deadline = math.inf
         # Lock order: tier lock, then arena lock (inside MemoryObj methods); never reversed.
         self._lock = threading.Lock()
         self._evictions = 0
@@ -481,6 +484,7 @@ class MemoryTier:
                 obj.pin()
                 self._owner_keys.setdefault(owner_id, set()).add(key)
             owners[owner_id] = deadline
+            self._earliest_deadline = min(self._earliest_deadline, deadline)
             return True
 
     def unpin(self, key: str, owner_id: Any) -> bool:
@@ -506,8 +510,17 @@ class MemoryTier:
         """
         now = time.monotonic() if now is None else now
         with self._lock:
-            expired = [(key, owner) for key, owners in self._pins.items()
-                       for owner, deadline in owners.items() if deadline <= now]
+            if now < self._earliest_deadline:
+                return 0
+            expired = []
+            earliest = math.inf
+            for key, owners in self._pins.items():
+                for owner, deadline in owners.items():
+                    if deadline <= now:
+                        expired.append((key, owner))
+                    else:
+                        earliest = min(earliest, deadline)
+            self._earliest_deadline = earliest
             for key, owner in expired:
                 self._unpin_locked(key, owner)
             return len(expired)
