@@ -102,6 +102,22 @@ class KVGeometry:
         """Shape of a contiguous chunk buffer holding ``num_tokens`` tokens of every layer."""
         return (self.num_layers, self.kv, num_tokens, self.num_kv_heads, self.head_size)
 
+    def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The engine's tensor shape for one layer in this layout, with ``num_blocks`` blocks.
+
+        >>> KVGeometry("cpu", 2, 8, 128, 16, torch.bfloat16).layer_shape(4)
+        (4, 8, 16, 256)
+        """
+        H, D, B = self.num_kv_heads, self.head_size, self.block_size
+        return {
+            "cpu": (num_blocks, H, B, 2 * D),
+            "flash_kv_nhd": (2, num_blocks, B, H, D),
+            "flash_kv_hnd": (2, num_blocks, H, B, D),
+            "flash_blocks_nhd": (num_blocks, 2, B, H, D),
+            "flash_blocks_hnd": (num_blocks, 2, H, B, D),
+            "mla": (num_blocks, B, D),
+        }[self.layout]
+
     @property
     def token_bytes(self) -> int:
         """Bytes one token occupies over all layers, keys and values."""
@@ -246,25 +262,16 @@ def canonical_view(layer: torch.Tensor, geometry: KVGeometry) -> torch.Tensor:
     """A view (no copy) of one layer's tensor as
     ``(kv, num_blocks, block_size, num_kv_heads, head_size)``."""
     g = geometry
-    H, D, B = g.num_kv_heads, g.head_size, g.block_size
-    expected = {
-        "cpu": ("num_blocks", H, B, 2 * D),
-        "flash_kv_nhd": (2, "num_blocks", B, H, D),
-        "flash_kv_hnd": (2, "num_blocks", H, B, D),
-        "flash_blocks_nhd": ("num_blocks", 2, B, H, D),
-        "flash_blocks_hnd": ("num_blocks", 2, H, B, D),
-        "mla": ("num_blocks", B, D),
-    }[g.layout]
+    expected = g.layer_shape(-1)  # -1 stands for any number of blocks
     shape = tuple(layer.shape)
-    if len(shape) != len(expected) or any(
-        want != got for want, got in zip(expected, shape) if want != "num_blocks"
-    ):
-        raise ValueError(f"KV layer of shape {shape} does not match layout {g.layout!r} {expected}")
+    if len(shape) != len(expected) or any(want not in (-1, got) for want, got in zip(expected, shape)):
+        named = tuple("num_blocks" if want == -1 else want for want in expected)
+        raise ValueError(f"KV layer of shape {shape} does not match layout {g.layout!r} {named}")
     if layer.dtype != g.dtype:
         raise ValueError(f"KV layer dtype {layer.dtype} does not match geometry dtype {g.dtype}")
     if g.layout == "cpu":
         # Splitting the last dim needs only its stride to be 1, not a contiguous tensor.
-        split = layer.unflatten(3, (2, D))  # (nb, H, B, 2, D)
+        split = layer.unflatten(3, (2, g.head_size))  # (nb, H, B, 2, D)
         return split.permute(3, 0, 2, 1, 4)
     if g.layout == "flash_kv_nhd":
         return layer

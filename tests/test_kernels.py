@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from flowkv._testing.paged import layer_shape, make_paged_kv, random_slot_mapping
+from flowkv._testing.paged import make_paged_kv, random_slot_mapping
 from flowkv.kernels import LAYOUTS, KVGeometry, bench_gather_scatter, detect_layout, gather, scatter
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -145,7 +145,7 @@ def assert_round_trip_into_zeros(source, g: KVGeometry, slots) -> None:
 def blocks_outermost_caches(g: KVGeometry, seed: int) -> list[torch.Tensor]:
     """Layers interleaved inside each block of one buffer (vLLM's BL* layouts):
     each layer a strided, non-contiguous view."""
-    per_layer = layer_shape(g, NUM_BLOCKS)
+    per_layer = g.layer_shape(NUM_BLOCKS)
     generator = torch.Generator().manual_seed(seed)
     buffer = torch.randn((NUM_BLOCKS, g.num_layers, *per_layer[1:]), generator=generator).to(g.dtype)
     return [buffer[:, i] for i in range(g.num_layers)]

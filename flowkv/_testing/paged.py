@@ -11,21 +11,7 @@ import torch
 
 from flowkv.kernels.geometry import KVGeometry
 
-__all__ = ["layer_shape", "make_paged_kv", "random_slot_mapping"]
-
-
-def layer_shape(geometry: KVGeometry, num_blocks: int) -> tuple[int, ...]:
-    """The per-layer tensor shape of ``geometry.layout`` with ``num_blocks`` blocks."""
-    g = geometry
-    H, D, B = g.num_kv_heads, g.head_size, g.block_size
-    return {
-        "cpu": (num_blocks, H, B, 2 * D),
-        "flash_kv_nhd": (2, num_blocks, B, H, D),
-        "flash_kv_hnd": (2, num_blocks, H, B, D),
-        "flash_blocks_nhd": (num_blocks, 2, B, H, D),
-        "flash_blocks_hnd": (num_blocks, 2, H, B, D),
-        "mla": (num_blocks, B, D),
-    }[g.layout]
+__all__ = ["make_paged_kv", "random_slot_mapping"]
 
 
 def make_paged_kv(
@@ -46,7 +32,7 @@ def make_paged_kv(
     """
     if num_blocks <= 0:
         raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-    shape = (geometry.num_layers, *layer_shape(geometry, num_blocks))
+    shape = (geometry.num_layers, *geometry.layer_shape(num_blocks))
     if fill:
         generator = torch.Generator().manual_seed(seed)
         # Generated on CPU so the values are the same whatever the device.
