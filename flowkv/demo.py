@@ -109,12 +109,16 @@ def flowkv_config(pipeline: str, **extra: Any) -> Any:
     )
 
 
-def time_to_first_token(llm: Any, prompt_ids: list[int]) -> tuple[float, int]:
-    """Seconds to the first generated token of one prompt, and the tokens the connector served."""
+def time_to_first_token(llm: Any, prompt_ids: list[int], *, skip_save: bool = False) -> tuple[float, int]:
+    """Seconds to the first generated token of one prompt, and the tokens the connector served.
+
+    ``skip_save`` asks flowkv not to store the prompt (a read-only request).
+    """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=1, temperature=0.0)
+    extra = {"kv_transfer_params": {"flowkv.skip_save": True}} if skip_save else None
+    params = SamplingParams(max_tokens=1, temperature=0.0, extra_args=extra)
     started = time.perf_counter()
     [output] = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)], params, use_tqdm=False)
     return time.perf_counter() - started, int(output.num_cached_tokens or 0)

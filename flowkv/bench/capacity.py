@@ -133,8 +133,6 @@ def _wait_written(llm: Any, timeout_s: float = 120.0) -> dict[str, Any]:
 
 def _one_codec(model: Path, docs: list[list[int]], questions: list[list[int]], *, codec: str,
                params: dict[str, Any], folder: Path, args: argparse.Namespace, disk_capacity: int) -> dict[str, Any]:
-    from vllm import SamplingParams
-
     from flowkv.demo import time_to_first_token
 
     per_token = kv_bytes_per_token(model)
@@ -148,17 +146,14 @@ def _one_codec(model: Path, docs: list[list[int]], questions: list[list[int]], *
     try:
         cold = [time_to_first_token(llm, doc + questions[0]) for doc in docs]
         stats = _wait_written(llm)
-        no_save = SamplingParams(max_tokens=1, temperature=0.0,
-                                 extra_args={"kv_transfer_params": {"flowkv.skip_save": True}})
         warm = []
         for doc in docs:
             best, served = float("inf"), 0
             for _ in range(args.repeats):  # the best of a few: other load on the machine only adds time
                 if args.page_cache == "drop":
                     drop_page_cache(disk_path)
-                started = time.perf_counter()
-                [out] = llm.generate([{"prompt_token_ids": doc + questions[1]}], no_save, use_tqdm=False)
-                best, served = min(best, time.perf_counter() - started), int(out.num_cached_tokens or 0)
+                ttft, served = time_to_first_token(llm, doc + questions[1], skip_save=True)
+                best = min(best, ttft)
             warm.append((best, served))
     finally:
         shutdown(llm)
