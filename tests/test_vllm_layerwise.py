@@ -197,7 +197,11 @@ def test_trace_has_per_layer_spans_and_waits_nested_per_request_and_step(llm, tr
             assert scatter.attributes["flowkv.bytes"] > 0
     for run in stores:
         gathers = stages(run, "gather")
-        assert sorted(s.attributes["flowkv.layer"] for s in gathers) == list(range(NUM_LAYERS))
+        # Every layer is gathered, unless allocate passed no chunk on (flowkv
+        # held them all): then the store runs no per-layer block at all.
+        allocated = sum(s.attributes["flowkv.items_out"] for s in stages(run, "allocate"))
+        layers = list(range(NUM_LAYERS)) if allocated else []
+        assert sorted(s.attributes["flowkv.layer"] for s in gathers) == layers
         # A store whose chunks flowkv already held gathers nothing.
         assert all(s.attributes["flowkv.bytes"] > 0 for s in gathers if s.attributes["flowkv.items_out"])
     assert any(s.attributes.get("flowkv.items_out") for run in stores for s in stages(run, "gather"))
