@@ -25,6 +25,8 @@ multiples).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = ["gather_groups", "scatter_groups", "whole_block_ids"]
@@ -42,10 +44,30 @@ def whole_block_ids(slots: torch.Tensor, block_size: int) -> torch.Tensor | None
         return None
     per_block = slots.view(-1, block_size)
     starts = per_block[:, :1]
-    offsets = torch.arange(block_size, device=slots.device, dtype=slots.dtype)
+    offsets = _block_offsets(block_size, slots.device, slots.dtype)
     if not bool(((starts % block_size == 0) & (per_block - starts == offsets).all(dim=1, keepdim=True)).all()):
         return None
     return starts.squeeze(1) // block_size
+
+
+@functools.lru_cache(maxsize=64)
+def _frame_rows(device: torch.device, first: int, layers: tuple[int, int], kv: tuple[int, int],
+                heads: tuple[int, int]) -> torch.Tensor:
+    """Row of each (layer, kv, head) of slot 0, as a ``(layers, kv, 1, heads)`` index
+    (each pair: count, stride in rows). It depends only on the cache, not on the slots,
+    so it is built once per cache instead of on every call."""
+    def term(count_stride: tuple[int, int], dim: int) -> torch.Tensor:
+        count, stride = count_stride
+        shape = [1, 1, 1, 1]
+        shape[dim] = count
+        return (torch.arange(count, device=device) * stride).view(shape)
+
+    return first + term(layers, 0) + term(kv, 1) + term(heads, 3)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_offsets(block_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.arange(block_size, device=device, dtype=dtype)
 
 
 def _widest_int(row_bytes: int, *tensors: torch.Tensor) -> torch.dtype:
@@ -85,18 +107,13 @@ def _row_plan(
     else:
         return None
 
-    def term(count: int, stride: int, dim: int) -> torch.Tensor:
-        shape = [1, 1, 1, 1]
-        shape[dim] = count
-        return (torch.arange(count, device=device) * (stride // row)).view(shape)
-
     if unit == "block":
         per_token = block_ids * (s_block // row)
     else:
         per_token = (slots // block_size) * (s_block // row) + (slots % block_size) * (s_offset // row)
-    index = base // row + term(num_layers, s_layer, 0) + term(kv, s_kv, 1) + per_token.view(1, 1, -1, 1)
-    if unit == "head":
-        index = index + term(heads, s_head, 3)
+    head_rows = (heads, s_head // row) if unit == "head" else (1, 0)
+    frame = _frame_rows(device, base // row, (num_layers, s_layer // row), (kv, s_kv // row), head_rows)
+    index = frame + per_token.view(1, 1, -1, 1)
     storage_elems = group.untyped_storage().nbytes() // group.element_size()
     rows = group.as_strided((storage_elems // row, row), (row, 1), 0)
     return rows, index.reshape(-1), row
