@@ -104,12 +104,12 @@ def _prepare(
     if slot_mapping.dtype.is_floating_point or slot_mapping.dtype == torch.bool:
         raise ValueError(f"slot_mapping must hold integers, got {slot_mapping.dtype}")
     device = cache_layers[0].device
-    slots = slot_mapping.to(device=device, dtype=torch.int64)
-
-    expected = (len(layer_ids),) + geometry.chunk_shape(slots.numel())[1:]
+    expected = (len(layer_ids),) + geometry.chunk_shape(slot_mapping.numel())[1:]
     if tuple(chunk.shape) != expected:
         raise ValueError(f"{chunk_name} has shape {tuple(chunk.shape)}, expected {expected}")
-    if chunk.dtype != geometry.dtype or chunk.device != device:
+    # A chunk buffer on the CPU (the engine's arena) with a cache on a GPU moves
+    # through a staging buffer on the cache's device; any other pairing is a mistake.
+    if chunk.dtype != geometry.dtype or (chunk.device != device and chunk.device.type != "cpu"):
         raise ValueError(
             f"{chunk_name} is {chunk.dtype} on {chunk.device}; the cache is {geometry.dtype} on {device}"
         )
@@ -120,15 +120,17 @@ def _prepare(
     num_blocks = groups[0][1].shape[2]
     if any(group.shape[2] != num_blocks for _, group in groups):
         raise ValueError(f"KV layers hold different numbers of blocks: {[group.shape[2] for _, group in groups]}")
-    if slots.numel():
+    if slot_mapping.numel():
+        # Checked where the slots are (on the host, as the engine passes them):
+        # checking after the move to a GPU would wait for the device on every call.
         slots_per_layer = num_blocks * geometry.block_size
-        low, high = torch.aminmax(slots)
-        if int(low) < -1 or int(high) >= slots_per_layer:
+        low, high = (int(v) for v in torch.aminmax(slot_mapping))
+        if low < -1 or high >= slots_per_layer:
             raise ValueError(
-                f"slot_mapping holds slots in [{int(low)}, {int(high)}]; valid slots are -1 "
+                f"slot_mapping holds slots in [{low}, {high}]; valid slots are -1 "
                 f"(skip) and 0..{slots_per_layer - 1} ({num_blocks} blocks of {geometry.block_size})"
             )
-    return groups, slots
+    return groups, slot_mapping.to(device=device, dtype=torch.int64)
 
 
 def gather(
@@ -145,7 +147,8 @@ def gather(
     ``out`` is a contiguous tensor of ``geometry.chunk_shape(len(slot_mapping))``,
     or with ``len(layers)`` in dim 0 when only ``layers`` (indices into
     ``kv_caches``) are gathered. A slot of -1 leaves that token's row of
-    ``out`` untouched. Returns ``out``.
+    ``out`` untouched. ``out`` may be on the CPU while the cache is on a GPU
+    (the tokens then pass through a buffer on the GPU). Returns ``out``.
 
     >>> from flowkv._testing.paged import make_paged_kv, random_slot_mapping
     >>> g = KVGeometry("cpu", 2, 2, 64, 32, torch.float32)
@@ -157,12 +160,19 @@ def gather(
     groups, slots = _prepare(kv_caches, geometry, slot_mapping, out, layers, "out")
     if slots.numel() == 0:
         return out
-    if _choose_impl(impl, out.device) == "triton":
+    device = slots.device
+    target = out
+    if out.device != device:
+        # Rows of skipped slots must keep what ``out`` holds.
+        target = out.to(device) if bool((slots < 0).any()) else torch.empty_like(out, device=device)
+    if _choose_impl(impl, device) == "triton":
         from . import triton_kv
 
-        triton_kv.gather_groups(groups, slots, out)
+        triton_kv.gather_groups(groups, slots, target)
     else:
-        torch_kv.gather_groups(groups, slots, out)
+        torch_kv.gather_groups(groups, slots, target)
+    if target is not out:
+        out.copy_(target)
     return out
 
 
@@ -177,11 +187,13 @@ def scatter(
 ) -> None:
     """Write ``chunk`` (as made by :func:`gather`) into the paged cache at
     ``slot_mapping``; a slot of -1 writes nothing. Two tokens with one slot
-    leave either value there."""
+    leave either value there. ``chunk`` may be on the CPU while the cache is
+    on a GPU (it is copied to the GPU first)."""
     groups, slots = _prepare(kv_caches, geometry, slot_mapping, chunk, layers, "chunk")
     if slots.numel() == 0:
         return
-    if _choose_impl(impl, chunk.device) == "triton":
+    chunk = chunk.to(slots.device)
+    if _choose_impl(impl, slots.device) == "triton":
         from . import triton_kv
 
         triton_kv.scatter_groups(chunk, groups, slots)

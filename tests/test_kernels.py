@@ -176,6 +176,26 @@ def test_dict_of_layers_keeps_insertion_order():
     assert detect_layout(named, num_kv_heads=4, head_size=32).num_layers == 3
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_host_chunk_with_a_gpu_cache_moves_through_the_gpu(layout):
+    """The engine's arena is host memory: gather into it and scatter from it with a GPU cache."""
+    g = geometry_for(layout)
+    source = make_paged_kv(g, NUM_BLOCKS, seed=3, device="cuda")
+    slots = random_slot_mapping(40, g, NUM_BLOCKS, seed=4)
+    slots[[0, 17, 39]] = -1
+    host = torch.full(g.chunk_shape(40), 5.0, dtype=g.dtype).pin_memory()
+    gather(source, g, slots, host)
+    on_gpu = gather(source, g, slots, torch.full(g.chunk_shape(40), 5.0, dtype=g.dtype, device="cuda"))
+    assert torch.equal(host, on_gpu.cpu())
+
+    restored = make_paged_kv(g, NUM_BLOCKS, seed=0, fill=False, device="cuda")
+    expected = make_paged_kv(g, NUM_BLOCKS, seed=0, fill=False, device="cuda")
+    scatter(host, restored, g, slots)
+    scatter(on_gpu, expected, g, slots)
+    assert_caches_equal(restored, expected)
+
+
 def test_bad_arguments_are_reported():
     g = geometry_for("cpu")
     caches = make_paged_kv(g, NUM_BLOCKS, seed=0)
