@@ -279,13 +279,6 @@ def _measurement_pipeline(folder: Path, chunk_size: int, codecs: list[tuple[str,
     return path
 
 
-def _kv_bytes_per_token(model: Path) -> int:
-    config = json.loads((model / "config.json").read_text(encoding="utf-8"))
-    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return config["num_hidden_layers"] * 2 * heads * head_dim * 2  # bf16 keys and values
-
-
 def _model_digest(model: Path) -> str:
     """sha256 of the model's config.json: tells records of different models apart."""
     return hashlib.sha256((model / "config.json").read_bytes()).hexdigest()
@@ -332,7 +325,7 @@ def measure(
     ``none`` is always measured first, as the control that shows what
     loading exact KV changes. Starts one vLLM (CPU or whatever vLLM finds).
     """
-    from flowkv.demo import build_llm, flowkv_config, setup_environment, shutdown
+    from flowkv.demo import build_llm, flowkv_config, kv_bytes_per_token, setup_environment, shutdown
 
     user_kv_space = "VLLM_CPU_KVCACHE_SPACE" in os.environ
     setup_environment()
@@ -346,7 +339,7 @@ def measure(
     prompt_ids = prompt_set(tokenizer, prompts, prompt_tokens)
     longest = max(len(p) for p in prompt_ids)
     max_model_len = 128 * math.ceil((longest + max_tokens + 1) / 128)
-    per_token = _kv_bytes_per_token(model)
+    per_token = kv_bytes_per_token(model)
     # vLLM's pool: one prompt at a time; flowkv's: every prompt once per codec, raw-sized.
     pool_bytes = max(64 << 20, 4 * max_model_len * per_token)
     tier_bytes = 2 * len(codecs) * len(prompt_ids) * (longest + pipeline.chunk_size) * per_token
@@ -464,9 +457,9 @@ def run(args: argparse.Namespace) -> int:
         pipeline = load_pipeline(args.pipeline, check_quality=False)
         codecs = None
         if args.codecs:
-            from flowkv.bench.codecs import _parse_codecs
+            from flowkv.bench.codecs import parse_codecs
 
-            codecs = [(name, _canonical(name, params)) for name, params in _parse_codecs(args.codecs)]
+            codecs = [(name, _canonical(name, params)) for name, params in parse_codecs(args.codecs)]
     except (PipelineError, FileNotFoundError, ValueError) as exc:
         print(f"flowkv quality: {exc}", file=sys.stderr)
         return 2

@@ -178,10 +178,10 @@ def _one_codec(model: Path, docs: list[list[int]], questions: list[list[int]], *
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table (or JSON). Returns the exit status."""
-    from flowkv.bench.codecs import _parse_codecs
+    from flowkv.bench.codecs import parse_codecs
 
     try:
-        codecs = _parse_codecs(args.codecs)
+        codecs = parse_codecs(args.codecs)
         disk_capacity = parse_size(args.disk_capacity)
         if args.documents <= 0 or args.repeats <= 0 or args.chunk_size <= 0 or args.doc_tokens < args.chunk_size:
             raise ValueError("--documents and --repeats must be positive and --doc-tokens at least --chunk-size")

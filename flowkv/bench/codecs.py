@@ -47,7 +47,7 @@ from flowkv import payload
 from flowkv.bench import best_seconds
 from flowkv.codecs import codec_names, get_codec
 
-__all__ = ["add_arguments", "measure", "model_kv", "run", "shuffle_gains", "synthetic_kv"]
+__all__ = ["add_arguments", "measure", "model_kv", "parse_codecs", "run", "shuffle_gains", "synthetic_kv"]
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -272,7 +272,7 @@ def shuffle_gains(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return gains
 
 
-def _parse_codecs(text: str) -> list[tuple[str, dict[str, Any]]]:
+def parse_codecs(text: str) -> list[tuple[str, dict[str, Any]]]:
     """``"zstd,zstd:level=1,int4:group_size=32"`` -> [(name, params), ...]."""
     result = []
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -358,7 +358,7 @@ def _input(args: argparse.Namespace) -> tuple[list[torch.Tensor], str]:
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table (or JSON). Returns the exit status."""
     try:
-        codecs = _parse_codecs(args.codecs or _DEFAULT_CODECS)
+        codecs = parse_codecs(args.codecs or _DEFAULT_CODECS)
         chunks, source = _input(args)
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"flowkv bench codecs: {exc}", file=sys.stderr)
