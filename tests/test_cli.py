@@ -137,6 +137,7 @@ def test_show_json(capsys):
     assert info["store"][1]["stage"].startswith("flowkv.stages.basic.take (")
     assert info["telemetry"]["exporter"] == "none" and info["telemetry"]["sampling"] == 1.0
     assert info["vllm"] == {"save_decode": False, "lookup_timeout_ms": 200}
+    assert info["quality"] == {"min_agreement": None, "record": None}
 
 
 def test_show_builtin_json_through_the_module_entry_point():
