@@ -289,7 +289,7 @@ class _Loader:
         )
 
     def check_quality_gate(self, quality: QualitySpec, store: tuple[StageSpec, ...]) -> None:
-        from flowkv.quality import check_gate
+        from flowkv.quality_gate import check_gate
 
         for problem in check_gate(store, min_agreement=quality.min_agreement, record=quality.record,
                                   source=self.file):

@@ -460,7 +460,7 @@ class FlowKVConnector(KVConnectorBase_V1):
         # both processes, with every error listed.
         self._pipeline = load_pipeline(self._settings.pipeline, overrides=self._settings.overrides)
         # A [quality] gate holds only for the model its record measured.
-        from flowkv.quality import check_served_model
+        from flowkv.quality_gate import check_served_model
 
         if (warning := check_served_model(self._pipeline, vllm_config.model_config.model)) is not None:
             logger.warning("flowkv: %s", warning)
