@@ -144,7 +144,7 @@ def _measurement_pipeline(folder: Path, chunk_size: int, codecs: list[tuple[str,
 
 def prompt_set(tokenizer: Any, count: int, prompt_tokens: int) -> list[list[int]]:
     """The fixed prompts: standard-library source documents, each followed by one of the demo's questions."""
-    from flowkv.demo import QUESTIONS, documents
+    from flowkv.integration.harness import QUESTIONS, documents
 
     questions = [tokenizer.encode(q, add_special_tokens=False) for q in QUESTIONS]
     return [doc + questions[i % len(questions)] for i, doc in enumerate(documents(tokenizer, count, prompt_tokens))]
@@ -183,7 +183,7 @@ def measure(
     ``none`` is always measured first, as the control that shows what
     loading exact KV changes. Starts one vLLM (CPU or whatever vLLM finds).
     """
-    from flowkv.demo import build_llm, flowkv_config, kv_bytes_per_token, setup_environment, shutdown
+    from flowkv.integration.harness import build_llm, flowkv_config, kv_bytes_per_token, setup_environment, shutdown
 
     user_kv_space = "VLLM_CPU_KVCACHE_SPACE" in os.environ
     setup_environment()
@@ -327,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"flowkv quality: {model} is not a model folder (no config.json)", file=sys.stderr)
             return 2
     else:
-        from flowkv.demo import DEMO_MODEL, default_model_dir
+        from flowkv.integration.harness import DEMO_MODEL, default_model_dir
         from flowkv.testing import tiny_model
 
         model = tiny_model(default_model_dir(), **DEMO_MODEL)
