@@ -46,7 +46,7 @@ from flowkv.keys import (
 )
 from flowkv.kernels import KVGeometry
 from flowkv.layerwise import LayerwiseRetrieve, LayerwiseStore
-from flowkv.memory import MemoryArena, MemoryObj, MemoryTier
+from flowkv.memory import MemoryObj
 from flowkv.pipeline import Pipeline, load_pipeline
 from flowkv.runner import Runner, StageError
 
@@ -105,13 +105,8 @@ class CacheEngine:
         spec = memory_specs[0]
         self.memory_name = spec.name
         chunk_bytes = self.geometry.token_bytes * self.chunk_size
-        self.memory = MemoryTier(
-            MemoryArena(
-                spec.config.capacity,
-                slab_bytes=chunk_bytes + _SLAB_MARGIN,
-                pin_memory=spec.config.pin_memory,
-            )
-        )
+        self.memory = spec.info.cls(name=spec.name, config=spec.config)
+        self.memory.open(slab_bytes=chunk_bytes + _SLAB_MARGIN)
         self.slow: dict[str, Any] = {}
         self._write_behind: dict[str, WriteBehind] = {}
         for name, tier_spec in pipeline.tiers.items():

@@ -81,7 +81,7 @@ class StageSpec:
 
 @attrs.frozen(kw_only=True)
 class TierGuardSpec:
-    """Keys every non-memory tier table accepts besides its kind's own."""
+    """Keys every byte tier's table accepts besides its kind's own (see ``flowkv.tiers.base``)."""
 
     timeout_s: float = 1.0  # every call to the tier is cut off after this
     backoff_max_s: float = 30.0  # a failed tier is retried after at most this long
@@ -509,7 +509,8 @@ class _Loader:
                     "unknown-tier" if exc.kind == "unknown" else exc.kind,
                 )
                 continue
-            guard_keys = [f.name for f in attrs.fields(TierGuardSpec)] if kind != "memory" else []
+            # Byte tiers run behind a health guard and a write-behind queue; object tiers (memory) do not.
+            guard_keys = [f.name for f in attrs.fields(TierGuardSpec)] if info.holds == "bytes" else []
             options = {k: v for k, v in table.items() if k != "kind" and k not in guard_keys}
             guard = self.structure_config(
                 {k: v for k, v in table.items() if k in guard_keys}, TierGuardSpec, path, what=f"tier '{name}'"
@@ -599,7 +600,7 @@ class _Loader:
             self.error(("telemetry", "exporter"),
                        "exporter 'otlp' needs an endpoint (e.g. endpoint = \"http://localhost:4317\")",
                        "missing-key")
-        memory_tiers = [name for name, spec in tiers.items() if spec.kind == "memory"]
+        memory_tiers = [name for name, spec in tiers.items() if spec.info.holds == "objects"]
         if tiers and len(memory_tiers) != 1:
             where = ("tiers", memory_tiers[1]) if memory_tiers else ("tiers",)
             self.error(where, f"declare exactly one tier of kind 'memory' (found {len(memory_tiers)}"

@@ -9,27 +9,9 @@ the engine, which bounds every call and skips a tier that fails.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
-
-import attrs
 
 from flowkv.items import Chunk, RunContext
-from flowkv.registry import stage, tier
-
-
-@attrs.frozen(kw_only=True)
-class MemoryTierConfig:
-    """``[tiers.NAME] kind = "memory"``: a pre-allocated arena; each entry costs its bytes in 4 KiB pages."""
-
-    capacity: int = 1 << 30  # bytes; "4GiB" in the file
-    eviction: Literal["lru"] = "lru"
-    # Page-lock the arena when CUDA is present, for fast asynchronous copies.
-    pin_memory: bool = True
-
-
-@tier("memory", config=MemoryTierConfig)
-class MemoryTierKind:
-    """The memory tier's registry entry; the engine builds the arena from the KV geometry."""
+from flowkv.registry import stage
 
 
 @stage("allocate", kinds=("store",), needs={"key"}, gives={"buffer"})
