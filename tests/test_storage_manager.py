@@ -3,7 +3,7 @@
 The manager is built the way the engine builds it: tier instances in lookup
 order, memory included. The byte tier here is ``DictTier`` below: what a
 user writes (public names only, no OpenTelemetry), also named in a pipeline
-file by ``"test_storage_manager:DictTier"``.
+file by ``"test_storage_manager:DictTier"`` and driven through the engine.
 """
 
 from __future__ import annotations
@@ -15,7 +15,11 @@ import pytest
 import torch
 
 import flowkv
+from flowkv import CacheEngine, KVTransfer
 from flowkv import payload as payloads
+from flowkv.kernels import KVGeometry, gather
+from flowkv.pipeline import dumps_pipeline, loads_pipeline
+from flowkv.testing import make_paged_kv, random_slot_mapping
 from flowkv.tiers import MemoryTier, MemoryTierConfig, StorageManager, Tier, TierHealth
 from flowkv.tiers.chain import Entry, TierEvent
 
@@ -150,3 +154,33 @@ def test_pins_keep_object_hits_until_released():
     assert storage.stats()["memory"]["pinned_objects"] == 1
     storage.release("lookup-1")
     assert storage.stats()["memory"]["pinned_objects"] == 0
+
+
+# -- the user's tier in a pipeline, through the engine -----------------------------------
+
+
+def test_the_user_tier_serves_an_engine_from_a_pipeline_file():
+    g = KVGeometry("cpu", num_layers=2, num_kv_heads=2, head_size=16, block_size=16, dtype=torch.bfloat16)
+    text = dumps_pipeline(
+        pipeline={"name": "dict", "chunk_size": 32},
+        tiers={"memory": {"kind": "memory", "capacity": "4MiB", "pin_memory": False},
+               "mine": {"kind": f"{__name__}:DictTier", "max_entries": 100, "timeout_s": 5.0}},
+        store=["tokenize", "chunk-hash", "allocate", "gather", "put"],
+        retrieve=["tokenize", "chunk-hash", "lookup", ("get", {"promote": False}), "decompress", "scatter"],
+    )
+    engine = CacheEngine(loads_pipeline(text), geometry=g, model_name="tiny")
+    try:
+        tokens = torch.arange(96)
+        src, dst = make_paged_kv(g, 16, seed=1), make_paged_kv(g, 16, seed=2, fill=False)
+        slots = random_slot_mapping(96, g, 16, seed=3)
+        assert engine.store(KVTransfer(tokens=tokens, kv_caches=src, slot_mapping=slots)).stored_tokens == 96
+        assert engine.flush(10.0)
+        engine.memory.clear()
+        result = engine.retrieve(KVTransfer(tokens=tokens, kv_caches=dst, slot_mapping=slots))
+        assert result.loaded_to == 96 and result.failed_range is None
+        assert engine.stats()["tier.mine.read_bytes"] > 0
+        assert len(engine.memory) == 0  # promote = false: read from the user's tier, not copied up
+        out = [torch.empty(g.chunk_shape(96), dtype=g.dtype) for _ in range(2)]
+        assert torch.equal(gather(dst, g, slots, out[0]), gather(src, g, slots, out[1]))
+    finally:
+        engine.close()

@@ -161,6 +161,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from flowkv.calls import KVTransfer
 from flowkv.integration._ipc import (
     LookupClient,
     LookupServer,
@@ -335,12 +336,6 @@ def _ceil(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _loaded_to(load: LoadSpec, ret_mask: torch.Tensor) -> int:
-    """The end of the prefix of ``[start, end)`` that a retrieve's mask says landed."""
-    window = ret_mask[load.start:load.end]
-    return load.end if bool(window.all()) else load.start + int(torch.argmin(window.to(torch.int8)))
-
-
 # -- worker-side state of one step ----------------------------------------------
 
 
@@ -349,7 +344,7 @@ class _LayerwiseLoad:
     """A load of this step whose layers land one by one."""
 
     spec: LoadSpec
-    handle: Any  # flowkv.engine.LayerwiseRetrieve
+    handle: Any  # flowkv.layerwise.LayerwiseRetrieve
     # Where the load ends if every layer lands (the chunks the retrieve found).
     expected_to: int
     # Where it did end, once finished.
@@ -361,7 +356,7 @@ class _LayerwiseSave:
     """A save of this step whose layers are copied out as the model computes them."""
 
     spec: SaveSpec
-    handle: Any  # flowkv.engine.LayerwiseStore
+    handle: Any  # flowkv.layerwise.LayerwiseStore
     # The load end the save was cut at when it started (None: not cut); a load
     # that ends up shorter than this makes the save wrong.
     cut_at: int | None
@@ -802,27 +797,25 @@ class FlowKVConnector(KVConnectorBase_V1):
                 continue
             loaded_to = load.start
             try:
-                args = self._retrieve_args(load)
+                transfer = self._transfer(load, load.token_ids, load.start, load.end, lookup_id=load.lookup_id)
                 with self._engine_lock, step.active(load.req_id):
-                    ret_mask = self._engine.retrieve(**args)
-                loaded_to = _loaded_to(load, ret_mask)
+                    result = self._engine.retrieve(transfer)
+                loaded_to = result.loaded_within(load.start, load.end)
             except Exception:
                 self._load_failed(load)
             self._loaded(load, loaded_to, step)
 
-    def _retrieve_args(self, load: LoadSpec) -> dict[str, Any]:
-        """The engine's retrieve arguments for ``load`` (whole or layerwise)."""
-        tokens = torch.tensor(load.token_ids, dtype=torch.int64)
-        return {
-            "tokens": tokens,
-            "kv_caches": self._kv_layers,
-            # Slots outside [start, end) are -1: vLLM holds those tokens, or computes them this step.
-            "slot_mapping": self._slot_mapping(load.block_ids, len(tokens), load.start, load.end),
-            "mask": self._chunk_mask(len(tokens), load.skip_prefix),
-            "tags": load.tags or None,
-            "lookup_id": load.lookup_id,
-            "request_id": load.req_id,
-        }
+    def _transfer(self, spec: LoadSpec | SaveSpec, token_ids: list[int], start: int, end: int,
+                  lookup_id: str | None = None) -> KVTransfer:
+        """The engine call for ``token_ids`` of a load or save (whole or layerwise).
+
+        Slots outside ``[start, end)`` are -1: vLLM holds those tokens, or computes them this step.
+        """
+        tokens = torch.tensor(token_ids, dtype=torch.int64)
+        return KVTransfer(tokens=tokens, kv_caches=self._kv_layers,
+                          slot_mapping=self._slot_mapping(spec.block_ids, len(tokens), start, end),
+                          mask=self._chunk_mask(len(tokens), spec.skip_prefix), tags=spec.tags or None,
+                          request_id=spec.req_id, lookup_id=lookup_id)
 
     def _load_failed(self, load: LoadSpec) -> None:
         """A retrieve that raised: drop the pins its lookup took; vLLM recomputes the load."""
@@ -837,22 +830,16 @@ class FlowKVConnector(KVConnectorBase_V1):
 
     def _start_layerwise_load(self, load: LoadSpec, step: _StepTrace) -> None:
         try:
-            args = self._retrieve_args(load)
+            transfer = self._transfer(load, load.token_ids, load.start, load.end, lookup_id=load.lookup_id)
             with self._engine_lock, step.active(load.req_id):
-                handle = self._engine.retrieve_layerwise(**args)
+                handle = self._engine.retrieve_layerwise(transfer)
         except Exception:
             self._load_failed(load)
             self._loaded(load, load.start, step)
             return
-        # The head found and read its chunks: unless a layer fails, the load
-        # ends where the chunks it found stop being contiguous.
-        found_to = load.skip_prefix
-        for chunk in sorted(handle.chunks, key=lambda c: c.start):
-            if chunk.start != found_to:
-                break
-            found_to = chunk.end
+        # The head found and read its chunks: unless a layer fails, the load ends where they end.
         self._layer_loads.append(_LayerwiseLoad(spec=load, handle=handle,
-                                                expected_to=min(max(found_to, load.start), load.end)))
+                                                expected_to=handle.found_within(load.start, load.end)))
 
     def _finish_layerwise_loads(self) -> None:
         """Masks of this step's layerwise loads; a short one becomes vLLM load errors."""
@@ -864,8 +851,8 @@ class FlowKVConnector(KVConnectorBase_V1):
             loaded_to = load.start
             try:
                 with self._engine_lock:
-                    ret_mask = pending.handle.finish()
-                loaded_to = _loaded_to(load, ret_mask)
+                    pending.handle.finish()
+                loaded_to = pending.handle.result.loaded_within(load.start, load.end)
             except Exception:
                 self._load_failed(load)
             pending.loaded_to = loaded_to
@@ -952,25 +939,13 @@ class FlowKVConnector(KVConnectorBase_V1):
             if token_ids is None:
                 continue
             try:
-                args = self._store_args(save, token_ids)
+                transfer = self._transfer(save, token_ids, 0, len(token_ids))
                 with self._engine_lock, step.active(save.req_id):
-                    handle = self._engine.store_layerwise(**args)
+                    handle = self._engine.store_layerwise(transfer)
             except Exception:
                 logger.exception("flowkv: store for request %s failed", save.req_id)
                 continue
             self._layer_saves.append(_LayerwiseSave(spec=save, handle=handle, cut_at=cut_at))
-
-    def _store_args(self, save: SaveSpec, token_ids: list[int]) -> dict[str, Any]:
-        """The engine's store arguments for ``token_ids``, a prefix of ``save``'s (whole or layerwise)."""
-        tokens = torch.tensor(token_ids, dtype=torch.int64)
-        return {
-            "tokens": tokens,
-            "kv_caches": self._kv_layers,
-            "slot_mapping": self._slot_mapping(save.block_ids, len(tokens), 0, len(tokens)),
-            "mask": self._chunk_mask(len(tokens), save.skip_prefix),
-            "tags": save.tags or None,
-            "request_id": save.req_id,
-        }
 
     def _save_tokens(self, save: SaveSpec, loaded_to: int | None) -> list[int] | None:
         """The tokens of ``save`` that are right to store, None when nothing new is left."""
@@ -1025,9 +1000,9 @@ class FlowKVConnector(KVConnectorBase_V1):
             if token_ids is None:
                 continue
             try:
-                args = self._store_args(save, token_ids)
+                transfer = self._transfer(save, token_ids, 0, len(token_ids))
                 with self._engine_lock, step.active(save.req_id):
-                    stored = self._engine.store(**args)
+                    stored = self._engine.store(transfer).stored_tokens
                 step.annotate(save.req_id, {"flowkv.stored_tokens": stored})
             except Exception:
                 # A store that fails is a later miss; inference goes on.
