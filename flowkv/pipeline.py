@@ -609,6 +609,8 @@ class _Loader:
         if "tiers" in raw and not raw["tiers"]:
             self.error(("tiers",), "declare at least one tier", "missing-key")
         for kind, specs in lists.items():
+            if kind == "lookup" and "lookup" not in raw:
+                continue  # the head of [[retrieve.stages]], checked (and reported) there
             self.check_list(kind, specs, tiers)
         layerwise = raw.get("layerwise", {})
         if isinstance(layerwise, dict) and layerwise.get("enabled") is True:
