@@ -66,13 +66,23 @@ class RetrieveResult:
     """What a retrieve loaded into the paged cache."""
 
     ret_mask: torch.Tensor  # True for every token this retrieve loaded
-    loaded_to: int  # tokens [0, loaded_to) are in place: the caller's mask, then the loaded chunks
     # Tokens [start, end) that lookup promised but could not be loaded (None: all it found came).
     failed_range: tuple[int, int] | None = None
+    masked: int = 0  # the caller's mask covered tokens [0, masked): neither read nor loaded
 
     @classmethod
     def of(cls, request: Request) -> RetrieveResult:
-        return cls(request.ret_mask, request.loaded_to, request.failed_range)
+        return cls(request.ret_mask, request.failed_range, request.masked)
+
+    @property
+    def loaded_to(self) -> int:
+        """Tokens ``[0, loaded_to)`` are in the paged cache: the caller's masked prefix, then
+        the chunks this retrieve loaded, up to the first it did not (the one place this is
+        worked out)."""
+        window = self.ret_mask[self.masked:]
+        if bool(window.all()):
+            return len(self.ret_mask)
+        return self.masked + int(torch.argmin(window.to(torch.int8)))
 
     @property
     def loaded_tokens(self) -> int:

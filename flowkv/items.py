@@ -59,17 +59,6 @@ class Request:
         if self.failed_range is None or chunk.start < self.failed_range[0]:
             self.failed_range = (chunk.start, max(self.hit_tokens or 0, chunk.end))
 
-    @property
-    def loaded_to(self) -> int:
-        """Tokens ``[0, loaded_to)`` are in the paged cache after a retrieve: the caller's
-        masked prefix, then the chunks this retrieve loaded, up to the first it did not."""
-        if self.ret_mask is None:
-            return self.masked
-        window = self.ret_mask[self.masked:]
-        if bool(window.all()):
-            return self.num_tokens
-        return self.masked + int(torch.argmin(window.to(torch.int8)))
-
 
 @attrs.define(eq=False, repr=False)
 class Chunk:

@@ -146,14 +146,14 @@ def get(chunks: Iterator[Chunk], *, ctx: RunContext, promote: bool = True) -> It
         promote = true
     """
     services = ctx.services
-    storage = services.storage
+    read = services.storage.read
+    chunk_shape = services.geometry.chunk_shape
     dtype = services.geometry.dtype
     for chunk in chunks:
         if chunk.skip:
             yield chunk
             continue
-        found = storage.read(Entry(chunk.key_str, chunk.tier, services.chunk_shape(chunk.num_tokens), dtype),
-                             promote=promote)
+        found = read(Entry(chunk.key_str, chunk.tier, chunk_shape(chunk.num_tokens), dtype), promote=promote)
         if found is None:
             chunk.request.fail_from(chunk)
             services.count("retrieve_missing_chunks")

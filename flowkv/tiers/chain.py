@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import attrs
 import torch
@@ -61,8 +61,10 @@ __all__ = ["Entry", "Found", "StorageManager", "TierEvent"]
 log = logging.getLogger("flowkv.tiers")
 
 
-@attrs.frozen
-class Entry:
+# Entry and Found are made once per chunk per call: tuples, cheaper than attrs classes.
+
+
+class Entry(NamedTuple):
     """One chunk as the tiers see it: its key, where lookup found it, what its raw KV is."""
 
     key: str
@@ -71,8 +73,7 @@ class Entry:
     dtype: torch.dtype
 
 
-@attrs.frozen
-class Found:
+class Found(NamedTuple):
     """What ``read`` found: an object tier's object (the reader holds a reference) or a payload."""
 
     tier: str
@@ -252,8 +253,10 @@ class StorageManager:
         payload decoded on the way) and served from there.
         """
         key = entry.key
-        with self._lock:
-            landing = self._prefetching.get(key)
+        landing = None
+        if self._prefetching:  # no lock for the common case: nothing prefetching at all
+            with self._lock:
+                landing = self._prefetching.get(key)
         if landing is not None:
             try:
                 landing.result(timeout=self._timeout_s.get(entry.tier, 1.0) + 1.0)
