@@ -60,6 +60,8 @@ class CacheEngine:
         self.pipeline = pipeline
         self.geometry = geometry
         self.model_name = model_name
+        self.world_size = world_size
+        self.rank = rank
         self.chunk_size = pipeline.chunk_size
         self.save_partial_chunks = pipeline.section.save_partial_chunks
         self.layerwise = pipeline.layerwise.enabled
