@@ -157,9 +157,10 @@ class ObjectTier(abc.ABC):
       tier's own reference; False (nothing taken) when ``key`` is held.
     - ``get(key)`` answers the object with a reference for the caller, or
       ``None``. ``contains`` answers without touching recency or references.
-    - ``pin(key, owner, timeout_s=...)`` keeps an entry from eviction for
-      ``owner`` until ``release_owner(owner)`` or the deadline
-      (``expire_pins``); ``remove(key)`` drops an entry and its pins.
+    - ``pin(key, owner, timeout_s=..., now=...)`` keeps an entry from
+      eviction for ``owner`` until ``release_owner(owner)`` or the deadline
+      (``expire_pins(now)``; ``now`` is the storage manager's clock);
+      ``remove(key)`` drops an entry and its pins.
     - ``on_evict``, when set by the storage manager, is called with each
       evicted key after the tier's own lock is released.
     - ``stats()`` is synchronous and cheap: a flat dict of numbers (or an
@@ -205,16 +206,19 @@ class ObjectTier(abc.ABC):
         """Drop ``key`` and its pins; False when it was not held."""
 
     @abc.abstractmethod
-    def pin(self, key: str, owner_id: Any, *, timeout_s: float) -> bool:
-        """Keep ``key`` from eviction for ``owner_id``; False when it is not held."""
+    def pin(self, key: str, owner_id: Any, *, timeout_s: float, now: float | None = None) -> bool:
+        """Keep ``key`` from eviction for ``owner_id`` until ``now + timeout_s``; False when it is not held.
+
+        ``now`` is the storage manager's clock reading (default: `time.monotonic`).
+        """
 
     @abc.abstractmethod
     def release_owner(self, owner_id: Any) -> int:
         """Drop every pin ``owner_id`` holds; how many."""
 
     @abc.abstractmethod
-    def expire_pins(self) -> int:
-        """Drop pins whose deadline passed; how many."""
+    def expire_pins(self, now: float | None = None) -> int:
+        """Drop pins whose deadline is ``now`` or earlier (default: `time.monotonic`); how many."""
 
     @abc.abstractmethod
     def clear(self) -> None:
