@@ -160,6 +160,7 @@ def _quality(argv: list[str]) -> int:
     return args.func(args)
 
 
+@pytest.mark.vllm
 def test_quality_run_with_vllm_measures_int4_below_int8_and_the_gate_uses_it(tmp_path, capsys):
     """One vLLM on the tiny test model: int8 stays with the uncompressed model, int4 drifts,
     and the record written by the run lets the pipeline load at one minimum and not another."""
@@ -190,8 +191,8 @@ def test_quality_run_with_vllm_measures_int4_below_int8_and_the_gate_uses_it(tmp
     text = path.read_text()
     strict = min(1.0, worst + 0.01)
     path.write_text(text.replace("min_agreement = 0.5", f"min_agreement = {strict}"))
-    if worst < 1.0:
-        assert "below min_agreement" in gate_error(path)
+    assert worst < 1.0  # int4 changes some greedy token of 64 (32% agreement on the demo model)
+    assert "below min_agreement" in gate_error(path)
     path.write_text(text.replace("min_agreement = 0.5", f"min_agreement = {worst}"))
     assert load_pipeline(path).quality.min_agreement == worst
 
