@@ -377,7 +377,11 @@ class CacheEngine:
         out["healthy"] = self.is_healthy()
         out["tiers"] = {self.memory_name: attrs.asdict(self.memory.stats())}
         for name, tier in self.slow.items():
-            out["tiers"][name] = {**tier.stats(), **self._write_behind[name].stats()}
+            numbers = {**tier.stats(), **self._write_behind[name].stats()}
+            out["tiers"][name] = numbers
+            if "written_bytes" in numbers:
+                # What the tier stored, not what its write-behind queue accepted (a full disk accepts and drops).
+                out[f"tier.{name}.written_bytes"] = numbers["written_bytes"]
         return out
 
     def close(self) -> None:

@@ -16,8 +16,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
+from flowkv import CacheEngine
+from flowkv.integration.metrics import snapshot
+from flowkv.kernels import KVGeometry
 from flowkv.tiers import DiskTier, DiskTierConfig, GuardedTier
+from flowkv._testing.paged import make_paged_kv, random_slot_mapping
 from redis_servers import make_payload
 
 pytestmark = [
@@ -172,3 +177,30 @@ async def test_writes_that_cannot_fit_report_degraded_until_space_returns(small_
     assert await tier.get([key(6)]) == [make_payload(PAYLOAD, seed=6)]
     assert any("writes succeed again" in line for line in disk_warnings(caplog))
 
+
+def test_the_engine_reports_the_bytes_the_disk_stored(small_fs) -> None:
+    geometry = KVGeometry("cpu", num_layers=4, num_kv_heads=4, head_size=64, block_size=16, dtype=torch.bfloat16)
+    chunk = 64  # 64 tokens x 4 KiB: 256 KiB per chunk
+    root = small_fs / "cache"
+    engine = CacheEngine.from_pipeline("cpu-disk", geometry=geometry, model_name="tiny", overrides={
+        "chunk_size": chunk, "tiers.memory.capacity": "8MiB", "tiers.disk.path": str(root),
+        "tiers.disk.timeout_s": 30.0,  # a busy machine must not turn a write into a guard timeout
+    })
+    try:
+        fill(small_fs / "foreign", leave=10 * MIB)
+        kv = make_paged_kv(geometry, 64, seed=1)
+        for doc in range(10):  # 80 chunks, 20 MiB
+            tokens = torch.randint(0, 32000, (8 * chunk,), generator=torch.Generator().manual_seed(doc))
+            engine.store(tokens, kv_caches=kv, slot_mapping=random_slot_mapping(len(tokens), geometry, 64, seed=doc))
+            assert engine.flush(timeout_s=60.0)
+        stats = engine.stats()
+        disk = stats["tiers"]["disk"]
+        assert disk["evictions"] > 0 and disk["write_errors"] == 0 and disk["healthy"] == 1
+        assert stats["tier.disk.written_bytes"] == disk["written_bytes"] == disk["evicted_bytes"] + disk["bytes_used"]
+        assert disk["bytes_used"] == bytes_in_files(root)
+        # What Prometheus gets (vllm:flowkv_tier_written_bytes_total, tier_healthy).
+        numbers = snapshot(stats)
+        assert numbers["counters"]["tier.disk.written_bytes"] == disk["written_bytes"]
+        assert numbers["gauges"]["tier.disk.healthy"] == 1
+    finally:
+        engine.close()
