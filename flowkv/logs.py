@@ -14,8 +14,10 @@ once per process:
   ``vllm.general_plugins`` entry point (:func:`vllm_plugin`) in each of its
   processes (API server, engine core, workers), which calls this; the
   connector calls it too, for a ``VLLM_PLUGINS`` list without ``flowkv``.
-  When vLLM does not configure logging (``VLLM_CONFIGURE_LOGGING=0``),
-  nothing is changed: the application's own configuration applies.
+  When vLLM does not configure logging (``VLLM_CONFIGURE_LOGGING=0``), or
+  the program running vLLM configured the root logger itself (``vllm.LLM``
+  in an application, the ``flowkv`` command, pytest), nothing is changed:
+  flowkv's records go where that configuration sends them.
 - **Elsewhere** (the ``flowkv`` command, flowkv's own servers): the root
   logger gets a standard handler on stderr, ``FORMAT`` below, unless the
   program configured logging already.
@@ -87,8 +89,13 @@ def setup_logging(*, inside_vllm: bool = False) -> None:
     flowkv_logger = logging.getLogger(_FLOWKV)
     level = _env_level()
     if inside_vllm:
-        if any(isinstance(h, _ToVllmHandlers) for h in flowkv_logger.handlers) or not _vllm_configures_logging():
-            return  # done already, or vLLM leaves logging to the application: so do we
+        if any(isinstance(h, _ToVllmHandlers) for h in flowkv_logger.handlers):
+            return
+        if logging.getLogger().handlers or not _vllm_configures_logging():
+            # The program configured logging itself (vLLM in-process, under pytest, or after
+            # setup_logging() in the flowkv command), or vLLM leaves it to the program: flowkv's
+            # records keep going to the root logger's handlers.
+            return
         flowkv_logger.addHandler(_ToVllmHandlers())
         # Like vLLM's own logger: each line once, in vLLM's format, not again through the root's handlers.
         flowkv_logger.propagate = False

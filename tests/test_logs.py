@@ -63,15 +63,16 @@ def test_inside_vllm_flowkv_lines_take_vllms_format(order):
     assert len(lines_like(VLLM_LINE, done.stderr, pid, "disk tier full")) == 1, done.stderr
 
 
-def test_without_vllms_logging_set_up_flowkv_leaves_logging_alone():
+@pytest.mark.parametrize("why", ["vLLM does not configure logging", "the program configured logging"])
+def test_flowkv_leaves_logging_to_the_program_when_vllm_does_not_own_it(why):
     pytest.importorskip("vllm")
     done = run(
         "import logging\n"
-        "import vllm.logger\n"
-        "from flowkv.logs import setup_logging\n"
-        "setup_logging(inside_vllm=True)\n"
+        "from flowkv.logs import vllm_plugin\n"
+        + ("logging.basicConfig()\n" if why == "the program configured logging" else "")
+        + "vllm_plugin()\n"
         "print(logging.getLogger('flowkv').handlers, logging.getLogger('flowkv').propagate)\n",
-        VLLM_CONFIGURE_LOGGING="0",
+        VLLM_CONFIGURE_LOGGING="0" if why == "vLLM does not configure logging" else "1",
     )
     assert done.stdout.strip() == "[] True"
 
