@@ -334,8 +334,9 @@ class DiskTier(Tier):
     def _shrink_to_filesystem(self) -> None:
         """After an out-of-space write: lower the effective capacity to what the filesystem holds."""
         measured = self._measure()
-        # Without a measurement, what the tier holds now is what fitted.
-        target = min(self._capacity, self._bytes_used if measured is None else measured[0])
+        # A write just failed for lack of space, so what the tier holds now is the most that fitted;
+        # statvfs may show less (others' files, the headroom) or more (a quota it does not see).
+        target = self._bytes_used if measured is None else min(self._bytes_used, measured[0])
         if target < self._capacity:
             self._capacity = target
             self._counters["capacity_shrinks"] += 1
@@ -522,4 +523,3 @@ class DiskTier(Tier):
             os.fsync(fd)
         finally:
             os.close(fd)
-
