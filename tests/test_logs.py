@@ -57,7 +57,7 @@ def test_inside_vllm_flowkv_lines_take_vllms_format(order):
         "vllm_plugin()  # vLLM loads plugins in several places: once is enough\n"
         "print('pid', os.getpid())\n"
         "logging.getLogger('flowkv.tiers').warning('disk tier full')\n",
-        VLLM_LOGGING_STREAM="ext://sys.stderr", VLLM_LOGGING_COLOR="0",
+        VLLM_LOGGING_STREAM="ext://sys.stderr", VLLM_LOGGING_COLOR="0", VLLM_LOGGING_LEVEL="INFO",
     )
     pid = done.stdout.split("pid ")[-1].strip()
     assert len(lines_like(VLLM_LINE, done.stderr, pid, "disk tier full")) == 1, done.stderr

@@ -12,8 +12,9 @@ server per test module (a start costs 25-70 s on two cores); import them::
     def test_something(flowkv_server):
         reply = flowkv_server.complete(token_ids, max_tokens=8)
 
-``start_server(folder, kv_extra={...}, args=[...])`` starts one with other
-settings (another pipeline, vLLM flags); the caller stops it.
+``start_server(folder, kv_extra={...}, args=[...], env={...})`` starts one
+with other settings (another pipeline, vLLM flags, environment); the caller
+stops it (``close()``).
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ class VllmServer:
     """One ``vllm serve`` process tree on loopback; see the module's docstring."""
 
     def __init__(self, folder: Path, *, kv_extra: dict[str, Any] | None = None, args: Sequence[str] = (),
-                 kv_cache_blocks: int = 512) -> None:
+                 kv_cache_blocks: int = 512, env: dict[str, str] | None = None) -> None:
         self.folder = folder
+        self.env = env or {}
         self.folder.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -86,8 +88,12 @@ class VllmServer:
 
     def start(self) -> VllmServer:
         cores = os.cpu_count() or 1
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_COLOR": "0", "PYTHONUNBUFFERED": "1",
-               "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")}
+        # vLLM's default log level whatever an earlier test left in os.environ (flowkv.demo sets ERROR):
+        # the log is what a user sees.
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_COLOR": "0", "VLLM_LOGGING_LEVEL": "INFO",
+               "PYTHONUNBUFFERED": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}"),
+               **self.env}
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
         with open(self.log_path, "wb") as log:
             # A session of its own: every process of the server is in its process group.
