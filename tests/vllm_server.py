@@ -43,6 +43,10 @@ MODEL_NAME = "tiny"
 READY_TIMEOUT_S = 900.0
 # How long a SIGTERM'd server may take to exit before the test kills what is left.
 STOP_TIMEOUT_S = 300.0
+# The scheduler's wait for a worker's lookup answer. flowkv's default (200 ms) is missed now and
+# then on a busy two-core machine, and a missed lookup is a cache miss: the tests about hits must
+# not depend on the machine's load (a test about the timeout sets its own).
+LOOKUP_TIMEOUT_MS = 10_000
 
 
 def free_port() -> int:
@@ -79,7 +83,8 @@ class VllmServer:
             "--enable-prompt-tokens-details",
         ]
         if kv_extra is not None:
-            config = flowkv_transfer_config(ipc_dir=str(self.ipc_dir), **kv_extra)
+            config = flowkv_transfer_config(ipc_dir=str(self.ipc_dir),
+                                            **{"lookup_timeout_ms": LOOKUP_TIMEOUT_MS, **kv_extra})
             command += ["--kv-transfer-config", json.dumps(config)]
         self.command = command + list(args)
         self.proc: subprocess.Popen | None = None
