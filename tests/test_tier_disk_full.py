@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,6 +51,8 @@ def small_fs(request, tmp_path: Path) -> Iterator[Path]:
     if request.param == "tmpfs":
         command = ["mount", "-t", "tmpfs", "-o", f"size={FS_BYTES // MIB}m,mode=0700", "tmpfs", str(mount_point)]
     else:
+        if shutil.which("mkfs.ext4") is None:
+            pytest.skip("mkfs.ext4 (e2fsprogs) is not installed")
         image = tmp_path / "fs.img"
         with open(image, "wb") as file:
             file.truncate(FS_BYTES)
