@@ -71,28 +71,20 @@ def test_the_recipe_keys_the_folder(monkeypatch, tmp_path):
     assert tm.model_dir(tmp_path) != tmp_path / f"trained-llama-{digest[:12]}"
 
 
-def test_held_out_files_are_never_trained_on():
+def test_held_out_files_are_never_trained_on_and_hold_the_quality_prompts():
+    from transformers import AutoTokenizer
+
+    from flowkv.quality import prompt_set
+
     held_out, training = tm.held_out_sources(), tm.training_sources()
     assert held_out and training and not set(held_out) & set(training)
-    assert sorted(held_out + training) == tm._sources()
-    assert len(held_out) == len(tm._sources()[:: tm._HELD_OUT_EVERY])
-
-
-def test_held_out_documents_are_cut_to_length():
-    from transformers import AutoTokenizer
-    from vllm_helpers import tiny_model_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
-    long_enough = [f.name for f in tm.held_out_sources()
-                   if len(tokenizer.encode(tm._document(f), add_special_tokens=False)) >= 200]
-    docs = tm.held_out_documents(tokenizer, len(long_enough) + 1, 200)
-    assert {len(d) for d in docs} == {200}
-    # Every long enough file's first piece, in file order, then the second pieces.
-    heads = [tokenizer.decode(d).split("\n", 1)[0] for d in docs]
-    assert heads[:-1] == [f"Document: {name}" for name in long_enough]
-    assert not heads[-1].startswith("Document: ")
-    with pytest.raises(RuntimeError, match="held-out"):
-        tm.held_out_documents(tokenizer, 100_000, 200)
+    assert held_out + training == tm._sources()
+    # The default quality prompts and the demo's documents are cut from held-out files only.
+    tokenizer = AutoTokenizer.from_pretrained(str(tm.trained_model(progress=False)))
+    names = {f"Document: {path.name}" for path in held_out}
+    for prompts, tokens in ((32, 1024), (4, 3000)):
+        heads = {tokenizer.decode(ids).split("\n", 1)[0] for ids in prompt_set(tokenizer, prompts, tokens)}
+        assert len(heads) == prompts and heads <= names
 
 
 def test_the_built_model_has_learned_and_its_config_names_its_recipe():

@@ -13,8 +13,8 @@ scales) are what a tier gets. The demo model has random weights: its KV has
 the structure of a real Llama's (RoPE keys, per-head scales, values mixed
 from real token embeddings) but not a trained model's statistics, and the
 output says so. ``--model trained`` measures the KV of the trained reference
-model (``flowkv._testing.trained_model``, built locally once) for held-out
-sources instead: a trained model's KV statistics.
+model (``flowkv._testing.trained_model``, built locally once) for the same
+sources, which it never saw in training: a trained model's KV statistics.
 
 Each document is one stored prefix: a codec's ``window`` keeps the last
 tokens of each document exact, as the ``compress`` stage does, so the
@@ -127,9 +127,9 @@ def model_kv(
     """Chunks of real KV: a model's keys and values for standard-library source text.
 
     `model` ``"demo"``: the random-weight demo model, built in `model_dir`
-    (default: the demo's folder) if it is not there yet, on the first
-    standard-library sources; ``"trained"``: the trained reference model
-    (built once), on sources it was not trained on. Runs a transformers
+    (default: the demo's folder) if it is not there yet; ``"trained"``: the
+    trained reference model (built once), which never saw these sources (the
+    first standard-library files by name). Runs a transformers
     forward pass with ``use_cache`` on `documents` documents of `doc_tokens`
     tokens each, and returns chunk tensors ``(num_layers, 2, chunk_tokens,
     num_kv_heads, head_size)`` in the model's dtype (the last chunk of a
@@ -148,9 +148,9 @@ def model_kv(
     if chunk_tokens <= 0 or doc_tokens <= 0 or documents <= 0:
         raise ValueError("documents, doc_tokens and chunk_tokens must be positive")
     if model == "trained":
-        from flowkv._testing.trained_model import held_out_documents, trained_model
+        from flowkv._testing.trained_model import trained_model
 
-        folder, read_documents = trained_model(), held_out_documents
+        folder = trained_model()
     elif model == "demo":
         folder = tiny_model(model_dir or default_model_dir(), **DEMO_MODEL)
     else:
