@@ -127,7 +127,7 @@ def quality_compress(chunks: Iterator[Chunk], *, ctx: RunContext, codecs: list[s
         if choice is not None:
             codec, params = plans[int(choice)]
             if params.get("window"):
-                window = prefix_window(params["window"], chunk.start, chunk.end, stored_end(ctx.engine, chunk.request))
+                window = prefix_window(params["window"], chunk.start, chunk.end, stored_end(ctx.services, chunk.request))
                 params = {**params, "window": window}
             chunk.payload = payloads.encode(chunk.kv, codec, **params)
             ctx.record(bytes=len(chunk.payload))

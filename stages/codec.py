@@ -73,17 +73,17 @@ def compress(
     for chunk in chunks:
         if codec != "none":
             if window:
-                params["window"] = prefix_window(window, chunk.start, chunk.end, stored_end(ctx.engine, chunk.request))
+                params["window"] = prefix_window(window, chunk.start, chunk.end, stored_end(ctx.services, chunk.request))
             chunk.payload = payloads.encode(chunk.kv, codec, **params)
             ctx.record(bytes=len(chunk.payload))
         yield chunk
 
 
-def stored_end(engine: Any, request: Any) -> int:
+def stored_end(services: Any, request: Any) -> int:
     """Where the prefix a store run keeps ends: its last chunk's end (``tokenize``'s chunks)."""
-    if engine.save_partial_chunks:
+    if services.save_partial_chunks:
         return request.num_tokens
-    return request.num_tokens - request.num_tokens % engine.chunk_size
+    return request.num_tokens - request.num_tokens % services.chunk_size
 
 
 @stage("decompress", kinds=("retrieve",), needs={"payload"}, gives={"kv"})

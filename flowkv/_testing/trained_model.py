@@ -51,7 +51,7 @@ from flowkv._testing.tiny_model import build_folder
 _RECIPE_VERSION = 1
 _STAMP_FILE = "flowkv_trained_model.json"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", _STAMP_FILE)
-# The first files by name, from which flowkv.demo.documents cuts the quality prompts and the
+# The first files by name, from which flowkv.integration.harness.documents cuts the quality prompts and the
 # demo's documents (32 of the first 36 have 1,024 tokens): 290k of the 1.47M tokens.
 _HELD_OUT_FILES = 36
 
