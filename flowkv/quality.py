@@ -178,7 +178,18 @@ def _compare(reference: Any, candidate: Any) -> dict[str, Any]:
         if position >= len(new_tokens) or new_tokens[position] != token:
             break  # past here the two generations have different contexts
     first_diff = next((i for i, (a, b) in enumerate(zip(ref_tokens, new_tokens)) if a != b), None)
-    return {"equal": equal, "total": len(ref_tokens), "logprob_diffs": diffs, "first_difference": first_diff}
+    return {"equal": equal, "total": len(ref_tokens), "logprob_diffs": diffs, "first_difference": first_diff,
+            "flip_margin": None if first_diff is None else _margin(reference.logprobs[first_diff])}
+
+
+def _margin(logprobs: Any) -> float | None:
+    """How far the reference's top token was ahead of its runner-up (nats) at one position.
+
+    A lossy codec that changes a greedy token at a position whose margin is
+    below its own ``max |dlogprob|`` flipped a near-tie, as any rounding can.
+    """
+    top = sorted((lp.logprob for lp in logprobs.values()), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else None
 
 
 def measure(
@@ -264,6 +275,8 @@ def measure(
                     "max_logprob_diff": max(diffs) if diffs else None,
                     "prompts_identical": sum(c["equal"] == c["total"] for c in compared),
                     "first_differences": [c["first_difference"] for c in compared],
+                    # The reference's top-1 minus top-2 logprob where each prompt first differs.
+                    "flip_margins": [c["flip_margin"] for c in compared],
                     # Against the control (exact KV loaded the same way): the codec's own effect.
                     "agreement_vs_control": sum(c["equal"] for c in against) / total,
                     "max_logprob_diff_vs_control": max(control_diffs) if control_diffs else None,
@@ -372,12 +385,17 @@ def _is_builtin(pipeline: Any) -> bool:
     return Path(pipeline.source).resolve() in {path.resolve() for path in builtin_pipelines().values()}
 
 
+def _max_flip_margin(row: dict[str, Any]) -> float | None:
+    margins = [m for m in row.get("flip_margins") or [] if m is not None]  # records before it lack the field
+    return max(margins) if margins else None
+
+
 def _print(record: dict[str, Any], out: str | None, minimum: float | None) -> None:
     prompts = record["prompts"]
     print(f"model {record['model']}; {prompts['count']} prompts of {prompts['document_tokens']} document tokens, "
           f"{prompts['max_tokens']} greedy tokens each; reference: {record['reference']}")
     header = (f"{'codec':<46} {'agreement':>9} {'max |dlogprob|':>14} {'identical':>9} "
-              f"{'vs none: agree':>14} {'max |dlogprob|':>14}")
+              f"{'vs none: agree':>14} {'max |dlogprob|':>14} {'flip margin':>11}")
     print(header)
     print("-" * len(header))
 
@@ -387,9 +405,11 @@ def _print(record: dict[str, Any], out: str | None, minimum: float | None) -> No
     for row in record["codecs"]:
         print(f"{_describe(row['codec'], row['params']):<46} {row['agreement']:>9.1%} "
               f"{diff(row['max_logprob_diff']):>14} {row['prompts_identical']:>5}/{prompts['count']:<3} "
-              f"{row['agreement_vs_control']:>14.1%} {diff(row['max_logprob_diff_vs_control']):>14}")
+              f"{row['agreement_vs_control']:>14.1%} {diff(row['max_logprob_diff_vs_control']):>14} "
+              f"{diff(_max_flip_margin(row)):>11}")
     print("(agreement: greedy tokens equal to the reference, which loaded no KV; 'vs none': against the "
-          "none control, which loaded exact KV the same way, so only the codec differs)")
+          "none control, which loaded exact KV the same way, so only the codec differs; flip margin: the "
+          "largest lead of the reference's token over its runner-up, in nats, where a prompt first differs)")
     if minimum is not None:
         verdict = all(r["lossless"] or r["agreement"] >= minimum for r in record["codecs"])
         print(f"[quality] min_agreement {minimum:.1%}: {'passes' if verdict else 'FAILS'}")
