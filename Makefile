@@ -16,6 +16,8 @@ export TOKENIZERS_PARALLELISM := false
 setup: $(DEPS_STAMP)
 	@$(BIN)/pip install -q --no-deps --no-build-isolation -e . >/dev/null
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
+	@# the controller's dashboard test drives a real headless browser
+	@command -v chromedriver >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null)
 
 $(DEPS_STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
