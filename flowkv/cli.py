@@ -146,6 +146,7 @@ def describe(pipeline) -> dict[str, Any]:
         "telemetry": plain(pipeline.telemetry),
         "vllm": plain(pipeline.vllm),
         "quality": plain(pipeline.quality),
+        "controller": plain(pipeline.controller),
     }
 
 
@@ -159,7 +160,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2))
         return 0
     print(f"# {info['source']}")
-    for section in ("pipeline", "layerwise", "telemetry", "vllm", "quality"):
+    for section in ("pipeline", "layerwise", "telemetry", "vllm", "quality", "controller"):
         print(f"[{section}]")
         for key, value in info[section].items():
             print(f"  {key} = {value!r}")
