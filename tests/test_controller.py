@@ -284,3 +284,35 @@ def test_metrics_openapi_and_the_dashboard_are_served(controller, tmp_path):
         assert json.dumps(controller.get("/health"))
     finally:
         reporter.close()
+
+
+def test_chunks_in_a_node_servers_shared_tier_count_for_the_instances_that_share_it(controller, tmp_path):
+    # A node server reports as a holder of its own (kind "server"); an instance whose pipeline reads
+    # through it lists it in `shared`. Lookups name the instances, never the server itself.
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    config = ReporterConfig(url=controller.url, heartbeat_s=0.3, token_file=str(token_file))
+    server = Reporter(config, Registration(instance_id="node-1", kind="server", session=new_session(), model="m",
+                                           chunk_size=16, hash="sha256",
+                                           tiers=[TierInfo(name="shm", kind="memory")])).start()
+    sharing = Reporter(config, Registration(instance_id="shares-node-1", session=new_session(), model="m",
+                                            chunk_size=16, hash="sha256", shared=["node-1"],
+                                            tiers=[TierInfo(name="memory", kind="memory"),
+                                                   TierInfo(name="server", kind="server")])).start()
+    alone = Reporter(config, Registration(instance_id="alone", session=new_session(), model="m", chunk_size=16,
+                                          hash="sha256", tiers=[TierInfo(name="memory", kind="memory")])).start()
+    try:
+        keys = chunk_keys(TOKENS, chunk_size=16)
+        sharing.offer("admit", "memory", keys[0])
+        for key in keys[:4]:
+            server.offer("admit", "shm", key)
+        assert all(r.wait_idle(60) for r in (server, sharing, alone))
+        answers = {h["instance_id"]: h for h in controller.lookup(token_ids=TOKENS)}
+        assert "node-1" not in answers and "alone" not in answers
+        assert answers["shares-node-1"]["matched_tokens"] == 64
+        assert answers["shares-node-1"]["chunks_by_tier"] == {"memory": 1, "node-1/shm": 3}
+        assert answers["shares-node-1"]["tier"] == "node-1/shm"
+        assert controller.instance("node-1")["kind"] == "server"
+    finally:
+        for reporter in (server, sharing, alone):
+            reporter.close()

@@ -46,7 +46,7 @@ class Router:
     """Which backend gets a request; see the module's docstring."""
 
     def __init__(self, backends: list[str], *, controller: str | None = None, policy: str = "prefix",
-                 tokenizer: str | None = None, max_in_flight_gap: int = 8, lookup_timeout_s: float = 1.0) -> None:
+                 tokenizer: str | None = None, max_in_flight_gap: int = 8, lookup_timeout_s: float = 2.0) -> None:
         if not backends:
             raise ValueError("flowkv route needs at least one backend")
         if policy not in ("prefix", "round-robin"):
@@ -92,8 +92,8 @@ class Router:
             token_ids = await asyncio.to_thread(self._token_ids, body, chat)
             holders = await self._lookup(token_ids, body.get("model"))
         except Exception as exc:  # no tokenizer, no controller: route by load, never fail the request
-            log.debug("flowkv route: lookup failed (%s); routing by load", exc)
-            self.decisions["lookup_failed"] += 1
+            if self.decisions["lookup-failed"] % 100 == 0:
+                log.warning("flowkv route: lookup failed (%s: %s); routing by load", type(exc).__name__, exc)
             return self._least_loaded(), "lookup-failed", 0
         floor = min(self.in_flight.values())
         best: list[tuple[str, int]] = []
