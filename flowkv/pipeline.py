@@ -382,7 +382,8 @@ class _Loader:
                     "unknown-tier" if exc.kind == "unknown" else exc.kind,
                 )
                 continue
-            guard_keys = [f.name for f in attrs.fields(TierGuardSpec)] if kind != "memory" else []
+            # Byte tiers run behind a health guard and a write-behind queue; object tiers (memory) do not.
+            guard_keys = [f.name for f in attrs.fields(TierGuardSpec)] if info.holds == "bytes" else []
             options = {k: v for k, v in table.items() if k != "kind" and k not in guard_keys}
             guard = self.structure_config(
                 {k: v for k, v in table.items() if k in guard_keys}, TierGuardSpec, path, what=f"tier '{name}'"
@@ -472,7 +473,7 @@ class _Loader:
             self.error(("telemetry", "exporter"),
                        "exporter 'otlp' needs an endpoint (e.g. endpoint = \"http://localhost:4317\")",
                        "missing-key")
-        memory_tiers = [name for name, spec in tiers.items() if spec.kind == "memory"]
+        memory_tiers = [name for name, spec in tiers.items() if spec.info.holds == "objects"]
         if tiers and len(memory_tiers) != 1:
             where = ("tiers", memory_tiers[1]) if memory_tiers else ("tiers",)
             self.error(where, f"declare exactly one tier of kind 'memory' (found {len(memory_tiers)}"
@@ -481,6 +482,8 @@ class _Loader:
         if "tiers" in raw and not raw["tiers"]:
             self.error(("tiers",), "declare at least one tier", "missing-key")
         for kind, specs in lists.items():
+            if kind == "lookup" and "lookup" not in raw:
+                continue  # the head of [[retrieve.stages]], checked (and reported) there
             self.check_list(kind, specs, tiers)
         layerwise = raw.get("layerwise", {})
         if isinstance(layerwise, dict) and layerwise.get("enabled") is True:

@@ -68,7 +68,7 @@ class StageSpec:
 
 @attrs.frozen(kw_only=True)
 class TierGuardSpec:
-    """Keys every non-memory tier table accepts besides its kind's own."""
+    """Keys every byte tier's table accepts besides its kind's own (see ``flowkv.tiers.base``)."""
 
     timeout_s: float = 1.0  # every call to the tier is cut off after this
     backoff_max_s: float = 30.0  # a failed tier is retried after at most this long

@@ -176,7 +176,7 @@ def evict_chunk(chunks: Iterator[Chunk], *, ctx) -> Iterator[Chunk]:
     for chunk in chunks:
         target = chunk.request.tags.get(EVICT_TAG)
         if target is not None and chunk.index == int(target) and chunk.key_str is not None:
-            ctx.engine.memory.remove(chunk.key_str)
+            ctx.services.storage.remove(chunk.key_str)
         yield chunk
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from flowkv.calls import KVTransfer
 from flowkv.integration._ipc import LookupServer
 from flowkv.integration.vllm.fleet import FleetLink
 from flowkv.integration.vllm.metadata import FlowKVMetadata, LoadSpec, SaveSpec, chunk_mask, floor_to, slot_mapping
@@ -42,18 +43,12 @@ logger = logging.getLogger("flowkv.integration")
 __all__ = ["ConnectorWorker"]
 
 
-def _loaded_to(load: LoadSpec, ret_mask: torch.Tensor) -> int:
-    """The end of the prefix of ``[start, end)`` that a retrieve's mask says landed."""
-    window = ret_mask[load.start:load.end]
-    return load.end if bool(window.all()) else load.start + int(torch.argmin(window.to(torch.int8)))
-
-
 @dataclass
 class _LayerwiseLoad:
     """A load of this step whose layers land one by one."""
 
     spec: LoadSpec
-    handle: Any  # flowkv.engine.LayerwiseRetrieve
+    handle: Any  # flowkv.layerwise.LayerwiseRetrieve
     # Where the load ends if every layer lands (the chunks the retrieve found).
     expected_to: int
     # Where it did end, once finished.
@@ -65,7 +60,7 @@ class _LayerwiseSave:
     """A save of this step whose layers are copied out as the model computes them."""
 
     spec: SaveSpec
-    handle: Any  # flowkv.engine.LayerwiseStore
+    handle: Any  # flowkv.layerwise.LayerwiseStore
     # The load end the save was cut at when it started (None: not cut); a load
     # that ends up shorter than this makes the save wrong.
     cut_at: int | None
@@ -171,31 +166,17 @@ class ConnectorWorker:
 
     # -- the engine's arguments -----------------------------------------------
 
-    def _retrieve_args(self, load: LoadSpec) -> dict[str, Any]:
-        """The engine's retrieve arguments for ``load`` (whole or layerwise)."""
-        tokens = torch.tensor(load.token_ids, dtype=torch.int64)
-        return {
-            "tokens": tokens,
-            "kv_caches": self._kv_layers,
-            # Slots outside [start, end) are -1: vLLM holds those tokens, or computes them this step.
-            "slot_mapping": slot_mapping(load.block_ids, self._block_size, len(tokens), load.start, load.end),
-            "mask": chunk_mask(len(tokens), load.skip_prefix),
-            "tags": load.tags or None,
-            "lookup_id": load.lookup_id,
-            "request_id": load.req_id,
-        }
+    def _transfer(self, spec: LoadSpec | SaveSpec, token_ids: list[int], start: int, end: int,
+                  lookup_id: str | None = None) -> KVTransfer:
+        """The engine call for ``token_ids`` of a load or save (whole or layerwise).
 
-    def _store_args(self, save: SaveSpec, token_ids: list[int]) -> dict[str, Any]:
-        """The engine's store arguments for ``token_ids``, a prefix of ``save``'s (whole or layerwise)."""
+        Slots outside ``[start, end)`` are -1: vLLM holds those tokens, or computes them this step.
+        """
         tokens = torch.tensor(token_ids, dtype=torch.int64)
-        return {
-            "tokens": tokens,
-            "kv_caches": self._kv_layers,
-            "slot_mapping": slot_mapping(save.block_ids, self._block_size, len(tokens), 0, len(tokens)),
-            "mask": chunk_mask(len(tokens), save.skip_prefix),
-            "tags": save.tags or None,
-            "request_id": save.req_id,
-        }
+        return KVTransfer(tokens=tokens, kv_caches=self._kv_layers,
+                          slot_mapping=slot_mapping(spec.block_ids, self._block_size, len(tokens), start, end),
+                          mask=chunk_mask(len(tokens), spec.skip_prefix), tags=spec.tags or None,
+                          request_id=spec.req_id, lookup_id=lookup_id)
 
     # -- a step ---------------------------------------------------------------
 
@@ -234,10 +215,10 @@ class ConnectorWorker:
                 continue
             loaded_to = load.start
             try:
-                args = self._retrieve_args(load)
+                transfer = self._transfer(load, load.token_ids, load.start, load.end, lookup_id=load.lookup_id)
                 with self._engine_lock, step.active(load.req_id):
-                    ret_mask = self._engine.retrieve(**args)
-                loaded_to = _loaded_to(load, ret_mask)
+                    result = self._engine.retrieve(transfer)
+                loaded_to = result.loaded_within(load.start, load.end)
             except Exception:
                 self._load_failed(load)
             self._loaded(load, loaded_to, step)
@@ -255,22 +236,16 @@ class ConnectorWorker:
 
     def _start_layerwise_load(self, load: LoadSpec, step: StepTrace) -> None:
         try:
-            args = self._retrieve_args(load)
+            transfer = self._transfer(load, load.token_ids, load.start, load.end, lookup_id=load.lookup_id)
             with self._engine_lock, step.active(load.req_id):
-                handle = self._engine.retrieve_layerwise(**args)
+                handle = self._engine.retrieve_layerwise(transfer)
         except Exception:
             self._load_failed(load)
             self._loaded(load, load.start, step)
             return
-        # The head found and read its chunks: unless a layer fails, the load
-        # ends where the chunks it found stop being contiguous.
-        found_to = load.skip_prefix
-        for chunk in sorted(handle.chunks, key=lambda c: c.start):
-            if chunk.start != found_to:
-                break
-            found_to = chunk.end
+        # The head found and read its chunks: unless a layer fails, the load ends where they end.
         self._layer_loads.append(_LayerwiseLoad(spec=load, handle=handle,
-                                                expected_to=min(max(found_to, load.start), load.end)))
+                                                expected_to=handle.found_within(load.start, load.end)))
 
     def _finish_layerwise_loads(self) -> None:
         """Masks of this step's layerwise loads; a short one becomes vLLM load errors."""
@@ -282,8 +257,8 @@ class ConnectorWorker:
             loaded_to = load.start
             try:
                 with self._engine_lock:
-                    ret_mask = pending.handle.finish()
-                loaded_to = _loaded_to(load, ret_mask)
+                    pending.handle.finish()
+                loaded_to = pending.handle.result.loaded_within(load.start, load.end)
             except Exception:
                 self._load_failed(load)
             pending.loaded_to = loaded_to
@@ -369,11 +344,11 @@ class ConnectorWorker:
             if token_ids is None:
                 continue
             try:
-                args = self._store_args(save, token_ids)
+                transfer = self._transfer(save, token_ids, 0, len(token_ids))
                 if self._fleet is not None:
                     self._fleet.note_save(save, token_ids)
                 with self._engine_lock, step.active(save.req_id):
-                    handle = self._engine.store_layerwise(**args)
+                    handle = self._engine.store_layerwise(transfer)
             except Exception:
                 logger.exception("flowkv: store for request %s failed", save.req_id)
                 continue
@@ -431,11 +406,11 @@ class ConnectorWorker:
             if token_ids is None:
                 continue
             try:
-                args = self._store_args(save, token_ids)
+                transfer = self._transfer(save, token_ids, 0, len(token_ids))
                 if self._fleet is not None:
                     self._fleet.note_save(save, token_ids)
                 with self._engine_lock, step.active(save.req_id):
-                    stored = self._engine.store(**args)
+                    stored = self._engine.store(transfer).stored_tokens
                 step.annotate(save.req_id, {"flowkv.stored_tokens": stored})
             except Exception:
                 # A store that fails is a later miss; inference goes on.
