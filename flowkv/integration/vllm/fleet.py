@@ -4,7 +4,7 @@
 subscribes to the storage manager's admit / evict / remove events and hands
 each to
 
-- a :class:`flowkv.fleet.reporter.Reporter` when the pipeline's
+- a :class:`flowkv.fleet.holder.EngineHolder` when the pipeline's
   ``[controller]`` table has a ``url``: the worker registers as rank ``r``
   of the instance, heartbeats with its engine's numbers, and carries out the
   controller's commands (clear, pin, prefetch) on the engine;
@@ -24,8 +24,8 @@ import threading
 import urllib.parse
 from typing import TYPE_CHECKING, Any
 
-from flowkv.fleet.protocol import Command, CommandResult, Registration, TierInfo
-from flowkv.fleet.reporter import Reporter, ReporterConfig, new_session
+from flowkv.fleet.holder import EngineHolder
+from flowkv.fleet.reporter import ReporterConfig
 from flowkv.integration.vllm.kv_events import FlowKVEvents, TierBlockEvents, publishes_kv_events
 
 if TYPE_CHECKING:
@@ -68,46 +68,35 @@ class FleetLink:
     def __init__(self, vllm_config: VllmConfig, settings: ConnectorSettings, pipeline: Pipeline,
                  instance: Instance, rank: int, engine: Any, engine_lock: threading.Lock,
                  wants_kv_events: bool) -> None:
-        self._engine = engine
-        self._engine_lock = engine_lock
-        self._storage = engine.storage
         kinds = {name: spec.kind for name, spec in pipeline.tiers.items()}
         self.kv_events = TierBlockEvents(
             chunk_size=pipeline.chunk_size, block_size=vllm_config.cache_config.block_size,
             hash_name=engine.hash_fn.name, tier_kinds=kinds) if wants_kv_events else None
-        self.reporter: Reporter | None = None
+        self.holder: EngineHolder | None = None
         spec = pipeline.controller
         if spec.url:
             model = vllm_config.model_config.served_model_name
             if isinstance(model, (list, tuple)):
                 model = model[0]
-            registration = Registration(
-                instance_id=spec.instance_id or default_instance_id(spec.advertise_url, instance.instance_id),
-                rank=rank, world_size=instance.world_size, session=new_session(), kind="vllm",
-                url=spec.advertise_url, model=str(model or settings.model_name), key_model=settings.model_name,
-                tokenizer=vllm_config.model_config.tokenizer, pipeline=pipeline.name,
-                tiers=[TierInfo(name=name, kind=tier.kind, capacity_bytes=_capacity(tier.config))
-                       for name, tier in pipeline.tiers.items()],
-                chunk_size=pipeline.chunk_size, hash=engine.hash_fn.name,
-                shared=[str(tier.config.controller_id) for tier in pipeline.tiers.values()
-                        if getattr(tier.config, "controller_id", None)])
-            with engine_lock:
-                held = {self._storage.staging: list(self._storage.memory.keys())}
-            self.reporter = Reporter(
+            self.holder = EngineHolder(
+                engine, engine_lock,
                 ReporterConfig(url=spec.url, heartbeat_s=spec.heartbeat_s, token_file=spec.token_file,
                                max_queue=spec.max_queue),
-                registration, held=held, run_command=self._run_command, stats=self._stats)
-        self._storage.subscribe(self._on_tier_event)
-        if self.reporter is not None:
-            self.reporter.start()
+                instance_id=spec.instance_id or default_instance_id(spec.advertise_url, instance.instance_id),
+                rank=rank, world_size=instance.world_size, kind="vllm", url=spec.advertise_url,
+                model=str(model or settings.model_name), key_model=settings.model_name,
+                tokenizer=vllm_config.model_config.tokenizer)
+        engine.storage.subscribe(self._on_tier_event)
+        if self.holder is not None:
+            self.holder.start()
             logger.info("flowkv: reporting to the controller at %s as %s rank %d", spec.url,
-                        self.reporter.registration.instance_id, rank)
+                        self.holder.reporter.registration.instance_id, rank)
 
     # -- from the data path -------------------------------------------------------
 
     def _on_tier_event(self, event: Any) -> None:
-        if self.reporter is not None:
-            self.reporter.offer(event.kind, event.tier, event.key)
+        if self.holder is not None:
+            self.holder.on_tier_event(event)
         if self.kv_events is not None:
             self.kv_events.on_tier_event(event.kind, event.tier, event.key)
 
@@ -117,83 +106,12 @@ class FleetLink:
             self.kv_events.note_save(token_ids, save.block_hashes, save.skip_prefix)
 
     def observe_latencies(self, latencies: dict[str, list[float]]) -> None:
-        if self.reporter is not None and latencies:
-            self.reporter.observe_latencies(latencies)
+        if self.holder is not None and latencies:
+            self.holder.reporter.observe_latencies(latencies)
 
     def take_kv_events(self) -> FlowKVEvents | None:
         return self.kv_events.take() if self.kv_events is not None else None
 
     def close(self) -> None:
-        if self.reporter is not None:
-            self.reporter.close()
-
-    # -- for the reporter (its own thread) ----------------------------------------------
-
-    def _stats(self) -> dict[str, Any]:
-        with self._engine_lock:
-            stats = self._engine.stats()
-        tiers = {}
-        for name, numbers in (stats.get("tiers") or {}).items():
-            tiers[name] = {key: numbers[key] for key in ("used_bytes", "capacity_bytes", "entries", "evictions")
-                           if isinstance(numbers.get(key), (int, float))}
-        counters = {key: value for key, value in stats.items()
-                    if isinstance(value, (int, float)) and not isinstance(value, bool)}
-        return {"counters": counters, "tiers": tiers}
-
-    def _run_command(self, command: Command) -> CommandResult:
-        if command.op == "clear":
-            return self._clear(command)
-        if command.op in ("pin", "prefetch"):
-            return self._pin_or_prefetch(command)
-        return CommandResult(id=command.id, ok=False, detail=f"unknown command {command.op!r}")
-
-    def _clear(self, command: Command) -> CommandResult:
-        from flowkv.keys import tags_digest
-
-        digest = tags_digest(command.tags) if command.tags else None
-        storage = self._storage
-        skipped = [name for name in (command.tiers or storage.order) if not storage.holds_objects(name)]
-        removed = 0
-        with self._engine_lock:
-            for key in list(storage.memory.keys()):
-                if digest is not None and key.rsplit("/", 2)[-2] != digest:
-                    continue
-                removed += bool(storage.remove(key))  # each removal goes out as an event
-        detail = f"removed {removed} chunks from memory"
-        if skipped:
-            detail += f"; {', '.join(skipped)} not cleared (byte tiers keep their chunks until evicted)"
-        return CommandResult(id=command.id, ok=True, detail=detail)
-
-    def _pin_or_prefetch(self, command: Command) -> CommandResult:
-        from flowkv.tiers.chain import Entry
-
-        engine, storage = self._engine, self._storage
-        with self._engine_lock:
-            keys = [key.to_str() for key in engine.keys.of(command.token_ids, command.tags or None)]
-            found = storage.find(keys)
-            prefix = []
-            for key, tier in zip(keys, found):
-                if tier is None:
-                    break
-                prefix.append((key, tier))
-            owner = ("flowkv-controller", command.op, command.id)
-            if command.op == "pin":
-                storage.pin(prefix, owner)
-            else:
-                dtype = engine.geometry.dtype
-                shape = tuple(engine.geometry.chunk_shape(engine.chunk_size))
-                storage.prefetch([Entry(key, tier, shape, dtype) for key, tier in prefix], owner)
-        # Pins expire with the storage manager's pin timeout; prefetched chunks are released after ttl_s.
-        timer = threading.Timer(command.ttl_s, self._release, args=(owner,))
-        timer.daemon = True
-        timer.start()
-        return CommandResult(id=command.id, ok=True, detail=f"{command.op} {len(prefix)} of {len(keys)} chunks")
-
-    def _release(self, owner: Any) -> None:
-        with self._engine_lock:
-            self._storage.release(owner)
-
-
-def _capacity(config: Any) -> int | None:
-    capacity = getattr(config, "capacity", None)
-    return capacity if isinstance(capacity, int) else None
+        if self.holder is not None:
+            self.holder.close()
