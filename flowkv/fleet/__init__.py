@@ -13,6 +13,7 @@
 - :mod:`flowkv.fleet.directory`: who holds which chunk, rebuilt from events and resyncs.
 - :mod:`flowkv.fleet.controller`: the controller's HTTP API and dashboard (``flowkv controller``).
 - :mod:`flowkv.fleet.reporter`: the client side, in each vLLM worker (or node server).
+- :mod:`flowkv.fleet.holder`: a ``CacheEngine`` as a holder (its events, stats and commands).
 - :mod:`flowkv.fleet.route`: the OpenAI-compatible KV-aware proxy (``flowkv route``).
 
 The core never imports this package; the vLLM connector imports the reporter.
