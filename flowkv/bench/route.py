@@ -45,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--doc-tokens", type=int, default=2048, help="tokens per document (default 2048)")
     parser.add_argument("--repeats", type=int, default=3, help="times each document is asked (default 3)")
     parser.add_argument("--concurrency", type=int, default=2, help="requests in flight (default 2)")
-    parser.add_argument("--memory-docs", type=float, default=4.5,
-                        help="documents each instance's memory tier holds (default 4.5: about half)")
+    parser.add_argument("--memory-docs", type=float, default=5.0,
+                        help="documents each instance's memory tier holds (default 5: a bit over half)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="write a plot of the two modes side by side")
@@ -113,7 +113,7 @@ class _Processes:
 
 
 def _vllm(procs: _Processes, name: str, model: Path, controller: str, memory_bytes: int,
-          kv_cache_bytes: int, max_model_len: int) -> str:
+          kv_cache_bytes: int, max_model_len: int, cores: str) -> str:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     extra = {"pipeline": "local-cpu", "tiers.memory.capacity": memory_bytes,
@@ -125,10 +125,20 @@ def _vllm(procs: _Processes, name: str, model: Path, controller: str, memory_byt
                "--max-model-len", str(max_model_len), "--no-enable-prefix-caching", "--seed", "0",
                "--kv-cache-memory-bytes", str(kv_cache_bytes), "--enable-prompt-tokens-details",
                "--kv-transfer-config", json.dumps(config)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "WARNING"}
+    # Each instance on cores of its own, as two instances on one machine would be deployed.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "WARNING",
+           "VLLM_CPU_OMP_THREADS_BIND": cores}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     procs.start(name, command, env)
     return url
+
+
+def _cores(index: int, instances: int) -> str:
+    """The cores of instance ``index`` of ``instances``: an equal share of this machine's (shared when fewer)."""
+    cores = os.cpu_count() or 1
+    share = max(1, cores // instances)
+    first = (index * share) % cores
+    return str(first) if share == 1 else f"{first}-{first + share - 1}"
 
 
 def _route(procs: _Processes, name: str, backends: list[str], controller: str, policy: str) -> str:
@@ -221,8 +231,8 @@ def run(args: argparse.Namespace) -> int:
         _wait(lambda: _get(controller + "/health")["status"] == "ok", "the controller answers")
         print(f"starting two vLLM servers ({args.documents} documents x {args.doc_tokens} tokens, "
               f"memory tier {memory_bytes >> 20} MiB each)...", file=sys.stderr)
-        backends = [_vllm(procs, name, model, controller, memory_bytes, kv_cache_bytes, max_model_len)
-                    for name in ("vllm-0", "vllm-1")]
+        backends = [_vllm(procs, name, model, controller, memory_bytes, kv_cache_bytes, max_model_len,
+                          _cores(index, 2)) for index, name in enumerate(("vllm-0", "vllm-1"))]
         for name, url in zip(("vllm-0", "vllm-1"), backends):
             _wait(lambda url=url: urllib.request.urlopen(url + "/health", timeout=5).status == 200,
                   f"{name} is ready ({folder / (name + '.log')})")
@@ -258,8 +268,9 @@ def _print_table(results: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"{mode:<14} {r['hit_rate']:>8.1%} {r['ttft_p50_ms']:>8.0f}ms {r['ttft_p99_ms']:>8.0f}ms "
               f"{r['requests_per_s']:>7.2f} {r['backends_per_document']:>10.2f}")
     mine = results["flowkv route"]
-    print(f"flowkv route / round-robin: TTFT p50 x{base['ttft_p50_ms'] / mine['ttft_p50_ms']:.2f} faster, "
-          f"req/s x{mine['requests_per_s'] / base['requests_per_s']:.2f}")
+    print(f"round-robin / flowkv route TTFT p50: {base['ttft_p50_ms'] / mine['ttft_p50_ms']:.2f}x, "
+          f"p99: {base['ttft_p99_ms'] / mine['ttft_p99_ms']:.2f}x; flowkv route / round-robin req/s: "
+          f"{mine['requests_per_s'] / base['requests_per_s']:.2f}x")
 
 
 def _plot(results: dict[str, Any], path: str) -> None:

@@ -37,6 +37,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     route.add_argument("--port", type=int, default=9200)
     route.add_argument("--lookup-timeout-s", type=float, default=2.0,
                        help="route by load when the controller has not answered by then")
+    route.add_argument("--affinity-s", type=float, default=60.0,
+                       help="send a prompt nobody holds yet where the same opening went this long ago")
     route.add_argument("--max-in-flight-gap", type=int, default=8,
                        help="skip a holder with this many more requests in flight than the least loaded backend")
     route.add_argument("--log-level", default="info")
@@ -89,6 +91,7 @@ def run_route(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     router = Router(args.backend, controller=args.controller, policy=args.policy, tokenizer=args.tokenizer,
-                    max_in_flight_gap=args.max_in_flight_gap, lookup_timeout_s=args.lookup_timeout_s)
+                    max_in_flight_gap=args.max_in_flight_gap, lookup_timeout_s=args.lookup_timeout_s,
+                    affinity_s=args.affinity_s)
     serve(create_app(router), args.host, args.port, name="flowkv route", log_level=args.log_level)
     return 0

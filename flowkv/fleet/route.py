@@ -8,7 +8,12 @@ controller's ``/lookup`` which instances hold a prefix, and picks:
    ``max_in_flight_gap`` requests in flight beyond the least loaded backend
    (then the next holder, and so on);
 2. among holders with equal prefixes, the one with fewer requests in flight;
-3. when nobody holds a prefix (or the controller does not answer within
+3. when nobody holds a prefix yet, the backend this router sent the same
+   opening (the first ``affinity_tokens`` tokens) to within the last
+   ``affinity_s`` seconds: a repeat that arrives while the first request is
+   still being prefilled, or before its chunks were reported, waits for
+   them there instead of computing them a second time elsewhere;
+4. otherwise (or when the controller does not answer within
    ``lookup_timeout_s``), the backend with the fewest requests in flight,
    round-robin among equals.
 
@@ -24,6 +29,7 @@ import collections
 import itertools
 import json
 import logging
+import time
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -46,7 +52,8 @@ class Router:
     """Which backend gets a request; see the module's docstring."""
 
     def __init__(self, backends: list[str], *, controller: str | None = None, policy: str = "prefix",
-                 tokenizer: str | None = None, max_in_flight_gap: int = 8, lookup_timeout_s: float = 2.0) -> None:
+                 tokenizer: str | None = None, max_in_flight_gap: int = 8, lookup_timeout_s: float = 2.0,
+                 affinity_tokens: int = 256, affinity_s: float = 60.0) -> None:
         if not backends:
             raise ValueError("flowkv route needs at least one backend")
         if policy not in ("prefix", "round-robin"):
@@ -58,6 +65,10 @@ class Router:
         self.max_in_flight_gap = max_in_flight_gap
         self.lookup_timeout_s = lookup_timeout_s
         self.in_flight = {url: 0 for url in self.backends}
+        self.affinity_tokens = affinity_tokens
+        self.affinity_s = affinity_s
+        # opening of a prompt -> (backend, monotonic time) of the last request this router sent with it
+        self._recent: collections.OrderedDict[int, tuple[str, float]] = collections.OrderedDict()
         self._turn = itertools.cycle(range(len(self.backends)))
         self.tokenizers = Tokenizers()
         self.decisions: collections.Counter[str] = collections.Counter()
@@ -107,11 +118,22 @@ class Router:
             if best and holder["matched_tokens"] < best[0][1]:
                 break
             best.append((url, holder["matched_tokens"]))
-        if not best:
-            return self._least_loaded(), "no-holder", 0
-        if len(best) == 1:
-            return best[0][0], "longest-prefix", best[0][1]
-        return self._least_loaded([url for url, _ in best]), "tie-by-load", best[0][1]
+        opening = hash(tuple(token_ids[:self.affinity_tokens]))
+        if best:
+            chosen = best[0][0] if len(best) == 1 else self._least_loaded([url for url, _ in best])
+            why = "longest-prefix" if len(best) == 1 else "tie-by-load"
+        else:
+            recent = self._recent.get(opening)
+            if (recent is not None and time.monotonic() - recent[1] < self.affinity_s
+                    and self.in_flight[recent[0]] - floor <= self.max_in_flight_gap):
+                chosen, why = recent[0], "recent-affinity"
+            else:
+                chosen, why = self._least_loaded(), "no-holder"
+        self._recent[opening] = (chosen, time.monotonic())
+        self._recent.move_to_end(opening)
+        while len(self._recent) > 10_000:
+            self._recent.popitem(last=False)
+        return chosen, why, best[0][1] if best else 0
 
     def _token_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
         tokenizer = self.tokenizer or self._backend_model_root
