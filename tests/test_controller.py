@@ -316,3 +316,29 @@ def test_chunks_in_a_node_servers_shared_tier_count_for_the_instances_that_share
     finally:
         for reporter in (server, sharing, alone):
             reporter.close()
+
+
+def test_the_controller_table_comes_from_the_pipeline_file_or_the_connector_extra_config(tmp_path):
+    from flowkv.integration.vllm.fleet import default_instance_id
+    from flowkv.integration.vllm.settings import ConnectorSettings
+    from flowkv.pipeline import PipelineError, builtin_pipelines, load_pipeline
+
+    settings = ConnectorSettings.from_extra_config(
+        {"pipeline": "local-cpu", "controller": {"url": "http://127.0.0.1:9100", "heartbeat_s": 0.5}},
+        default_model="m")
+    controller = load_pipeline(settings.pipeline, overrides=settings.overrides).controller
+    assert (controller.url, controller.heartbeat_s, controller.kv_events) == ("http://127.0.0.1:9100", 0.5, True)
+    assert load_pipeline("local-cpu").controller.url is None  # off unless asked for
+
+    text = builtin_pipelines()["local-cpu"].read_text() + '\n[controller]\nurll = "http://127.0.0.1:9100"\n'
+    path = tmp_path / "mine.toml"
+    path.write_text(text)
+    try:
+        load_pipeline(str(path))
+    except PipelineError as exc:
+        assert "urll" in str(exc) and f"{path}:" in str(exc)
+    else:
+        raise AssertionError("a misspelled [controller] key must be refused")
+
+    assert default_instance_id("http://10.0.0.7:8001/", "abc") == "10.0.0.7:8001"
+    assert default_instance_id(None, "0123456789abcdef").endswith("-0123456789ab")
