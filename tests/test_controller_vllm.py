@@ -90,7 +90,7 @@ def fleet(tmp_path_factory):
                "tokenizer": Tokenizers(), "root": root}
     finally:
         for server in (a, b):
-            server.close() if server.proc is not None else None
+            server.close()
         subscriber.close()
         controller.close()
 
