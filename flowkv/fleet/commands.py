@@ -1,4 +1,4 @@
-"""``flowkv controller`` and ``flowkv route``: arguments here, servers imported only when run."""
+"""``flowkv controller``, ``flowkv node-report`` and ``flowkv route``: arguments here, servers imported only when run."""
 
 from __future__ import annotations
 
@@ -23,6 +23,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                             help="an instance silent this long is marked down")
     controller.add_argument("--log-level", default="info")
     controller.set_defaults(func=run_controller)
+
+    node = sub.add_parser("node-report", help="report a node server's chunks (flowkv server) to the controller")
+    node.add_argument("--socket", required=True, help="the node server's Unix socket")
+    node.add_argument("--controller", required=True, metavar="URL", help="the controller's URL")
+    node.add_argument("--token-file", default=None, help="file holding the controller's bearer token")
+    node.add_argument("--heartbeat-s", type=float, default=2.0)
+    node.add_argument("--name", default=None,
+                      help="the server's holder id (default: the name the server gives, else HOST:SOCKET)")
+    node.add_argument("--log-level", default="info")
+    node.set_defaults(func=run_node_report)
 
     route = sub.add_parser("route", help="an OpenAI-compatible proxy that sends each request to the vLLM "
                                          "instance holding its longest cached prefix")
@@ -79,6 +89,25 @@ def run_controller(args: argparse.Namespace) -> int:
     directory = Directory(heartbeat_s=args.heartbeat_s, timeout_s=args.timeout_s)
     serve(create_app(directory, token=token), args.host, args.port, name="flowkv controller",
           log_level=args.log_level)
+    return 0
+
+
+def run_node_report(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from flowkv.fleet.node import NodeFollower
+    from flowkv.fleet.reporter import ReporterConfig
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ReporterConfig(url=args.controller, heartbeat_s=args.heartbeat_s, token_file=args.token_file)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    follower = NodeFollower(args.socket, config, name=args.name).start()
+    print(f"flowkv node-report: following {args.socket} as {follower.name} for {args.controller}", flush=True)
+    stop.wait()
+    follower.close()
     return 0
 
 

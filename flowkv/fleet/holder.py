@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from flowkv.fleet.node import shared_server_ids
 from flowkv.fleet.protocol import Command, CommandResult, Registration, TierInfo
 from flowkv.fleet.reporter import Reporter, ReporterConfig, new_session
 from flowkv.keys import tags_digest
@@ -45,14 +46,20 @@ class EngineHolder:
             tiers=[TierInfo(name=name, kind=tier.kind, capacity_bytes=_capacity(tier.config))
                    for name, tier in pipeline.tiers.items()],
             chunk_size=engine.chunk_size, hash=engine.hash_fn.name,
-            shared=list(shared or []) + [str(tier.config.controller_id) for tier in pipeline.tiers.values()
-                                         if getattr(tier.config, "controller_id", None)])
-        with lock:
-            held = {self._storage.staging: list(self._storage.memory.keys())}
+            shared=list(dict.fromkeys([*(shared or []), *shared_server_ids(pipeline)])))
+        # A node server's tier is reported by the server's own follower (flowkv node-report), which
+        # also sees what other instances put there and what the server evicts.
+        self._not_reported = {name for name, tier in pipeline.tiers.items() if tier.kind == "server"}
+        held = {}
+        if self._storage.staging not in self._not_reported:
+            with lock:
+                held = {self._storage.staging: list(self._storage.memory.keys())}
         self.reporter = Reporter(config, registration, held=held, run_command=self._run_command, stats=self._stats)
 
     def on_tier_event(self, event: Any) -> None:
         """A storage-manager observer: never blocks."""
+        if event.tier in self._not_reported:
+            return
         self.reporter.offer(event.kind, event.tier, event.key)
 
     def start(self) -> EngineHolder:
@@ -87,14 +94,14 @@ class EngineHolder:
         storage = self._storage
         wanted = command.tiers or list(storage.order)
         removed = 0
-        if storage.staging in wanted:
+        if storage.staging in wanted and storage.staging not in self._not_reported:
             with self._lock:
                 for key in list(storage.memory.keys()):
                     if digest is not None and key.rsplit("/", 2)[-2] != digest:
                         continue
                     removed += bool(storage.remove(key))  # each removal goes out as an event
         detail = f"removed {removed} chunks from {storage.staging}"
-        kept = [name for name in wanted if not storage.holds_objects(name)]
+        kept = [name for name in wanted if not storage.holds_objects(name) or name in self._not_reported]
         if kept:
             detail += f"; {', '.join(kept)} keep their chunks until they evict them"
         return CommandResult(id=command.id, ok=True, detail=detail)

@@ -134,6 +134,14 @@ class Reporter:
             if len(self._queue) >= self.config.batch:
                 self._lock.notify()
 
+    def resync(self, held: Mapping[str, Iterable[str]]) -> None:
+        """Replace what this holder holds (a source that lost its event stream, or restarted);
+        the next message is a snapshot of it. Never blocks on the network."""
+        with self._lock:
+            self._held = {tier: set(keys) for tier, keys in held.items()}
+            self._need_snapshot = True
+            self._lock.notify()
+
     def observe_latencies(self, latencies: Mapping[str, Iterable[float]]) -> None:
         """Durations (ms) of lookups, stores and retrieves, for the percentiles heartbeats carry."""
         with self._lock:

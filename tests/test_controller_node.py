@@ -1,0 +1,134 @@
+"""The controller with a node server: real ``flowkv controller``, ``flowkv server`` and ``flowkv node-report``.
+
+In-process engines read through the node server's ``server`` tier and report
+to the controller as instances (``EngineHolder``); ``flowkv node-report``
+follows the server's events and reports its arena as a holder of kind
+``server``. Lookups count the server's chunks for every instance that reads
+through it, whoever stored them; a clear, a server killed and restarted, and
+a follower killed are each seen by the controller. vLLM through a node
+server is in ``test_vllm_node.py`` (server track); vLLM and the controller in
+``test_controller_vllm.py``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+pytest.importorskip("flowkv.server", reason="the node server (issue 11) is not in this tree")
+
+from fleet_helpers import ControllerProcess, wait_for  # noqa: E402
+from flowkv.fleet.holder import EngineHolder  # noqa: E402
+from flowkv.fleet.node import default_server_name  # noqa: E402
+from flowkv.fleet.reporter import ReporterConfig  # noqa: E402
+from node_servers import ROOT, engine, keys_of, kv_for, node_pipeline, node_servers, slots_for  # noqa: E402, F401
+from flowkv.tiers.node_protocol import NodeConnection  # noqa: E402
+
+TOKEN = "node-token"
+TOKENS = 128  # 8 chunks of 16
+
+
+def ids(first: int, n: int = TOKENS) -> torch.Tensor:
+    return torch.arange(first, first + n)
+
+
+def node_report(controller: ControllerProcess, socket, folder) -> subprocess.Popen:
+    """``flowkv node-report`` in a process of its own; returns once it says what it follows."""
+    log = open(folder / "node-report.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "flowkv.cli", "node-report", "--socket", str(socket),
+                             "--controller", controller.url, "--token-file", str(controller.token_file),
+                             "--heartbeat-s", "0.3", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, cwd=ROOT)
+    line = proc.stdout.readline().decode()
+    assert line.startswith("flowkv node-report: following"), line
+    return proc
+
+
+def holder(controller: ControllerProcess, e, instance_id: str) -> EngineHolder:
+    h = EngineHolder(e, threading.Lock(), ReporterConfig(url=controller.url, heartbeat_s=0.3,
+                                                         token_file=str(controller.token_file)),
+                     instance_id=instance_id, model="m", url=f"http://{instance_id}.invalid")
+    e.storage.subscribe(h.on_tier_event)
+    return h.start()
+
+
+@pytest.fixture
+def controller(tmp_path):
+    process = ControllerProcess(tmp_path / "controller", token=TOKEN, heartbeat_s=0.3, timeout_s=2.0).start()
+    yield process
+    process.close()
+
+
+def answers(controller, tokens: torch.Tensor) -> dict[str, dict]:
+    return {h["instance_id"]: h for h in controller.lookup(token_ids=tokens.tolist())}
+
+
+def test_a_node_servers_chunks_count_for_every_instance_that_reads_through_it(controller, node_servers, tmp_path):
+    server = node_servers("fleet", memory="1MiB")
+    name = default_server_name(server.socket)
+    follower = node_report(controller, server.socket, tmp_path)
+    a = engine(node_pipeline(tmp_path, server.socket, name="a"))
+    b = engine(node_pipeline(tmp_path, server.socket, name="b"))
+    holders = [holder(controller, a, "a"), holder(controller, b, "b")]
+    try:
+        # Registration: the server by its name, kind server; each instance lists it in `shared`.
+        node = wait_for(lambda: controller.instance(name), "the node server is registered")
+        assert node["kind"] == "server" and node["state"] == "up"
+        wait_for(lambda: all(controller.instance(i) for i in ("a", "b")), "both instances are registered")
+        assert controller.instance("a")["shared"] == controller.instance("b")["shared"] == [name]
+
+        # A stores; B stored nothing but reads through the same server: both hold the prefix.
+        tokens = ids(0)
+        assert a.store(tokens, kv_caches=kv_for(1), slot_mapping=slots_for(TOKENS)) == TOKENS
+        got = wait_for(lambda: (lambda r: r if set(r) == {"a", "b"} else None)(answers(controller, tokens)),
+                       "both instances hold the prefix")
+        for instance_id in ("a", "b"):
+            assert got[instance_id]["matched_tokens"] == TOKENS
+            assert got[instance_id]["tier"] == f"{name}/memory"
+            # A's own events for the server tier are left to the server's follower
+            assert got[instance_id]["chunks_by_tier"] == {f"{name}/memory": TOKENS // 16}
+        assert name not in got  # lookups name instances, never the server
+        assert wait_for(lambda: (controller.instance(name)["tiers"] or [{}])[0].get("used_bytes"),
+                        "the server's tier fill reaches the controller") > 0
+        # What B retrieves through the server is what the controller said it holds.
+        assert b.lookup(tokens) == TOKENS
+
+        # Clear on the node server empties its arena, and lookups drop it.
+        controller.post("/clear", {"instance_id": name})
+        wait_for(lambda: not answers(controller, tokens), "the cleared prefix is gone from lookups")
+        conn = NodeConnection.connect(server.socket, timeout_s=10.0)
+        assert wait_for(lambda: conn.call("snapshot")["keys"] == [], "the server's arena is empty") is not None
+        conn.close()
+
+        # kill -9 of the server: what it held is gone, and so is it from lookups.
+        assert b.store(tokens, kv_caches=kv_for(1), slot_mapping=slots_for(TOKENS)) == TOKENS
+        wait_for(lambda: answers(controller, tokens).get("a", {}).get("matched_tokens") == TOKENS,
+                 "the prefix B stored counts for A")
+        server.kill()
+        wait_for(lambda: not answers(controller, tokens), "a killed server's chunks leave the directory")
+        # Restarted on the same socket: the follower reconnects, new stores are seen again.
+        server.start()
+        other = ids(5000)
+        wait_for(lambda: a.store(other, kv_caches=kv_for(2), slot_mapping=slots_for(TOKENS)) == TOKENS,
+                 "A stores through the restarted server")
+        got = wait_for(lambda: (lambda r: r if set(r) == {"a", "b"} else None)(answers(controller, other)),
+                       "the restarted server's chunks count again")
+        assert got["b"]["matched_tokens"] == TOKENS
+
+        # kill -9 of the follower: the server is marked down, and its chunks no longer count.
+        follower.kill()
+        follower.wait()
+        wait_for(lambda: controller.instance(name)["state"] == "down", "the server's holder is marked down")
+        wait_for(lambda: not answers(controller, other), "a down server's chunks do not count")
+    finally:
+        for h in holders:
+            h.close()
+        a.close()
+        b.close()
+        if follower.poll() is None:
+            follower.terminate()
+            follower.wait(timeout=30)
