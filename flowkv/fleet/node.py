@@ -57,16 +57,23 @@ def shared_server_ids(pipeline: Any, *, timeout_s: float = 1.0) -> list[str]:
 
 
 def _ask_name(path: str, timeout_s: float) -> str | None:
+    return _ask(path, timeout_s)[0]
+
+
+def _ask(path: str, timeout_s: float) -> tuple[str | None, list[str]]:
+    """The server's name and its lower tiers; (None, []) when it does not answer."""
     from flowkv.tiers.node_protocol import NodeConnection, NodeError, NodeUnavailable
 
     try:
         conn = NodeConnection.connect(path, timeout_s=timeout_s)
     except (NodeUnavailable, ValueError):
-        return None
+        return None, []
     try:
-        return str(conn.hello(f"flowkv-fleet:{os.getpid()}").get("name") or "") or None
+        name = str(conn.hello(f"flowkv-fleet:{os.getpid()}").get("name") or "") or None
+        lower = (conn.call("stats").get("lower") or {}).get("tiers") or []
+        return name, [str(tier) for tier in lower]
     except (NodeUnavailable, NodeError):
-        return None
+        return None, []
     finally:
         conn.close()
 
@@ -88,10 +95,12 @@ class NodeFollower:
         self._seq = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.name = name or _ask_name(self.socket_path, timeout_s) or default_server_name(self.socket_path)
+        asked, lower = _ask(self.socket_path, timeout_s)
+        self.name = name or asked or default_server_name(self.socket_path)
+        # The arena, then the server's lower tiers (when it answered at start).
+        tiers = [TierInfo(name="memory", kind="memory")] + [TierInfo(name=tier, kind=tier) for tier in lower]
         registration = Registration(instance_id=self.name, kind="server", session=new_session(), model="*",
-                                    pipeline="flowkv server", tiers=[TierInfo(name="memory", kind="memory")],
-                                    chunk_size=0, hash="")
+                                    pipeline="flowkv server", tiers=tiers, chunk_size=0, hash="")
         self.reporter = Reporter(config, registration, run_command=self._run_command, stats=self._stats)
 
     def start(self) -> NodeFollower:
