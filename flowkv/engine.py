@@ -110,6 +110,7 @@ class CacheEngine:
                 spec.config.capacity,
                 slab_bytes=chunk_bytes + _SLAB_MARGIN,
                 pin_memory=spec.config.pin_memory,
+                prefault=spec.config.prefault,
             )
         )
         self.slow: dict[str, Any] = {}

@@ -25,6 +25,9 @@ class MemoryTierConfig:
     eviction: Literal["lru"] = "lru"
     # Page-lock the arena when CUDA is present, for fast asynchronous copies.
     pin_memory: bool = True
+    # Make the arena's pages resident before stores write them (flowkv/resident.py):
+    # "background" (after start), "now" (before the engine starts) or "off".
+    prefault: Literal["background", "now", "off"] = "background"
 
 
 @tier("memory", config=MemoryTierConfig)
