@@ -10,15 +10,18 @@
 >>> scatter(chunk, dst, g, slots)
 """
 
-from .bench import bench_gather_scatter
+from .bench import bench_gather_scatter, copy_gbps
 from .geometry import LAYOUTS, KVGeometry, canonical_view, detect_layout
+from .probe import TransferProbe
 from .transfer import gather, scatter, triton_available
 
 __all__ = [
     "LAYOUTS",
     "KVGeometry",
+    "TransferProbe",
     "bench_gather_scatter",
     "canonical_view",
+    "copy_gbps",
     "detect_layout",
     "gather",
     "scatter",

@@ -10,7 +10,9 @@ import torch
 from .geometry import KVGeometry
 from .transfer import gather, scatter
 
-__all__ = ["bench_gather_scatter"]
+__all__ = ["bench_gather_scatter", "copy_gbps"]
+
+_copy_gbps: float | None = None
 
 
 def _best_seconds(step: Callable[[], object], repeats: int, device: torch.device) -> float:
@@ -75,3 +77,23 @@ def bench_gather_scatter(
         "gather_vs_copy": gbps["gather"] / gbps["copy"],
         "scatter_vs_copy": gbps["scatter"] / gbps["copy"],
     }
+
+
+def copy_gbps(nbytes: int = 64 << 20, repeats: int = 3, *, cached: bool = True) -> float:
+    """This machine's copy bandwidth in GB/s: the best of ``repeats`` torch copies of
+    ``nbytes`` between two buffers already written (with torch's threads, as the
+    kernels run). The first answer is kept for the process unless ``cached`` is False:
+    it is the yardstick traces compare transfers with, measured once at start.
+
+    >>> copy_gbps(1 << 20, cached=False) > 0
+    True
+    """
+    global _copy_gbps
+    if cached and _copy_gbps is not None:
+        return _copy_gbps
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    gbps = nbytes / _best_seconds(lambda: dst.copy_(src), repeats, torch.device("cpu")) / 1e9
+    if cached:
+        _copy_gbps = gbps
+    return gbps

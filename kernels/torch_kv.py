@@ -29,6 +29,8 @@ import functools
 
 import torch
 
+from .probe import note_row_bytes
+
 __all__ = ["gather_groups", "scatter_groups", "whole_block_ids"]
 
 # A group: (index of its first layer in the chunk buffer, a
@@ -142,6 +144,7 @@ def _move_dense(groups: list[LayerGroup], slots: torch.Tensor, chunk: torch.Tens
     for first, group in groups:
         part = chunk[first : first + group.shape[0]]
         plan = _row_plan(group, slots, block_ids)
+        note_row_bytes((group.shape[-1] if plan is None else plan[2]) * group.element_size())
         if plan is None:
             if to_chunk:
                 _gather_by_indexing(group, slots, part)

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .probe import note_row_bytes
+
 __all__ = ["gather_groups", "scatter_groups"]
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -73,6 +75,7 @@ def _launch(group: torch.Tensor, chunk: torch.Tensor, slots: torch.Tensor, to_ch
     num_layers, kv, _, block_size, heads, head_size = group.shape
     if group.stride(5) != 1 and head_size > 1:
         raise ValueError(f"the Triton kernels need a contiguous head dim; cache strides are {group.stride()}")
+    note_row_bytes(head_size * group.element_size())
     bits = _BITS[group.element_size()]
     s_layer, s_kv, s_block, s_offset, s_head, _ = group.stride()
     grid = (slots.numel(), num_layers * kv)
