@@ -138,6 +138,14 @@ def default_reserve() -> int:
     return max(2 << 30, total // 8)
 
 
+def _no_room(nbytes: int) -> str:
+    total, available = _meminfo("MemTotal"), available_memory()
+    known = (f" (this machine has {total / 2**30:.1f} GiB of memory, {available / 2**30:.1f} GiB available)"
+             if total is not None and available is not None else "")
+    return (f"the kernel refuses to map {nbytes / 2**30:.1f} GiB{known}: the memory arena cannot be larger "
+            "than the machine's memory; lower [tiers.memory] capacity")
+
+
 def _address(tensor: torch.Tensor) -> int:
     return tensor.data_ptr()
 
@@ -212,8 +220,11 @@ class ResidentBuffer:
         # Over-map by one huge page so the buffer can start on a huge-page boundary.
         slack = HUGE_PAGE_BYTES if huge_pages and nbytes >= HUGE_PAGE_BYTES else 0
         length = max(nbytes + slack, PAGE_BYTES)
-        mapping = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            mapping = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            raise MemoryError(_no_room(nbytes)) from exc
         offset = 0
         if slack:
             base = _address(torch.frombuffer(mapping, dtype=torch.uint8, count=1))

@@ -129,6 +129,16 @@ def test_huge_pages_are_advised_only_where_the_os_offers_them():
     assert not plain.huge_pages_advised
 
 
+def test_an_arena_larger_than_the_machine_is_refused_with_a_clear_error():
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        ResidentBuffer.anonymous(64 * total, prefault="off")
+    except MemoryError as exc:
+        assert "lower [tiers.memory] capacity" in str(exc) and "GiB of memory" in str(exc)
+    else:  # a kernel that overcommits without limit (vm.overcommit_memory = 1) maps it
+        assert Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "1"
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="prefault must be one of"):
         ResidentBuffer.anonymous(MiB, prefault="eager")
