@@ -130,7 +130,10 @@ class MemoryObj:
         tensor = self.tensor
         if tensor.device.type != "cpu":
             raise RuntimeError(f"view_bytes needs a CPU arena, this one is on {tensor.device}")
-        return memoryview(tensor.view(torch.uint8).reshape(-1).numpy()).cast("B")
+        # The pages themselves, whatever the order of the tensor's view (a reshape of a
+        # permuted view would be a copy, and writes into it would be lost).
+        start = self._first_page * self._arena.page_bytes
+        return memoryview(self._arena.buffer[start:start + self.nbytes].numpy()).cast("B")
 
     def shrink_to_bytes(self, nbytes: int) -> None:
         """Keep only the first ``nbytes`` bytes, as a flat uint8 `tensor`, and give
@@ -315,9 +318,14 @@ class MemoryArena:
     def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> MemoryObj | None:
         """An object whose `MemoryObj.tensor` has ``shape`` and ``dtype``, or ``None`` when full.
 
+        A ``shape`` with a ``dim_order`` (a `flowkv.kernels.ChunkShape`) lays the
+        bytes out in that order, outermost dim first, and the tensor is the
+        (strided) view of them in ``shape``'s order.
+
         Raises `ValueError` when the object could never fit a slab: that is a
         configuration error, not memory pressure.
         """
+        order = getattr(shape, "dim_order", None)
         shape = tuple(int(d) for d in shape)
         if any(d < 0 for d in shape):
             raise ValueError(f"negative dimension in shape {shape}")
@@ -330,7 +338,11 @@ class MemoryArena:
         if first is None:
             return None
         start = first * self.page_bytes
-        tensor = self.buffer[start:start + nbytes].view(dtype).view(shape)
+        data = self.buffer[start:start + nbytes].view(dtype)
+        if order is None or tuple(order) == tuple(range(len(shape))):
+            tensor = data.view(shape)
+        else:
+            tensor = data.view(tuple(shape[d] for d in order)).permute(tuple(order.index(d) for d in range(len(shape))))
         return MemoryObj(self, first, pages, tensor, nbytes)
 
     def allocate_bytes(self, nbytes: int) -> MemoryObj | None:

@@ -585,9 +585,9 @@ def _slow_transfer(stage: StageStats, copy_gbps: float) -> str:
         )
     if stage.row_bytes is not None and stage.row_bytes < SHORT_ROW_BYTES:
         causes.append(
-            f"layout (its copies move rows of {_bytes(stage.row_bytes)}): the cache's layout or the chunk format "
-            "breaks the copy into short rows; whole blocks per chunk (a chunk_size that is a multiple of the "
-            "block size) make them long"
+            f"layout (its copies move rows of {_bytes(stage.row_bytes)}): rows are whole blocks only when a "
+            "chunk is whole blocks of the cache, so make `chunk_size` a multiple of the block size (a partial "
+            "last chunk moves token by token), and keep chunk buffers in the engine's format (chunk format 2)"
         )
     if not causes:
         causes.append("none that the trace records (no page faults, contention or short rows counted)")

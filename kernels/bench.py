@@ -42,7 +42,8 @@ def bench_gather_scatter(
     seed: int = 0,
 ) -> dict[str, float]:
     """Gather and scatter ``num_tokens`` tokens of a synthetic paged cache whose
-    blocks are in random order, and a plain ``copy_`` of the same bytes.
+    blocks are in random order, into and out of a chunk buffer in the geometry's
+    format, and a plain ``copy_`` of the same bytes.
 
     The default geometry is 8 layers x 8 KV heads x head 128, bf16, block 16,
     ``cpu`` layout. Returns GB/s (``gather_gbps``, ``scatter_gbps``,
@@ -59,7 +60,7 @@ def bench_gather_scatter(
     num_blocks = num_blocks or 2 * blocks_needed
     caches = make_paged_kv(geometry, num_blocks, seed=seed, device=device)
     slots = random_slot_mapping(num_tokens, geometry, num_blocks, seed=seed + 1).to(device)
-    chunk = torch.empty(geometry.chunk_shape(num_tokens), dtype=geometry.dtype, device=device)
+    chunk = geometry.empty_chunk(num_tokens, device=device)
     copy_src = torch.empty_like(chunk)
     nbytes = chunk.numel() * chunk.element_size()
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from . import torch_kv
-from .geometry import KVGeometry, as_layer_list, canonical_view
+from .geometry import KVGeometry, as_layer_list, canonical_view, dense_order
 
 __all__ = ["gather", "scatter", "triton_available"]
 
@@ -113,8 +113,14 @@ def _prepare(
         raise ValueError(
             f"{chunk_name} is {chunk.dtype} on {chunk.device}; the cache is {geometry.dtype} on {device}"
         )
-    if not chunk.is_contiguous():
-        raise ValueError(f"{chunk_name} must be contiguous")
+    order = dense_order(chunk)
+    # Layers outermost: a layer group's slice of the chunk is then dense too. The head
+    # dim innermost: every row the kernels copy is made of whole heads.
+    sized = [d for d in order or () if chunk.shape[d] > 1]
+    if order is None or (chunk.shape[0] > 1 and sized[0] != 0) or (chunk.shape[4] > 1 and sized[-1] != 4):
+        raise ValueError(f"{chunk_name} must be a contiguous buffer in some order of its dims, layers "
+                         f"outermost and head_size innermost (got shape {tuple(chunk.shape)}, "
+                         f"strides {chunk.stride()})")
 
     groups = _layer_groups([cache_layers[i] for i in layer_ids], geometry)
     num_blocks = groups[0][1].shape[2]
@@ -144,9 +150,12 @@ def gather(
 ) -> torch.Tensor:
     """Copy the tokens at ``slot_mapping`` out of the paged cache into ``out``.
 
-    ``out`` is a contiguous tensor of ``geometry.chunk_shape(len(slot_mapping))``,
-    or with ``len(layers)`` in dim 0 when only ``layers`` (indices into
-    ``kv_caches``) are gathered. A slot of -1 leaves that token's row of
+    ``out`` has the logical shape ``geometry.chunk_shape(len(slot_mapping))``
+    (or ``len(layers)`` in dim 0 when only ``layers``, indices into
+    ``kv_caches``, are gathered) and is a contiguous buffer in some order of
+    its dims, layers outermost and head_size innermost; in
+    ``geometry.chunk_order`` the copies are longest (``geometry.empty_chunk``
+    makes one). A slot of -1 leaves that token's row of
     ``out`` untouched. ``out`` may be on the CPU while the cache is on a GPU
     (the tokens then pass through a buffer on the GPU). Returns ``out``.
 
@@ -154,7 +163,7 @@ def gather(
     >>> g = KVGeometry("cpu", 2, 2, 64, 32, torch.float32)
     >>> caches = make_paged_kv(g, num_blocks=8, seed=0)
     >>> slots = random_slot_mapping(40, g, 8, seed=1)
-    >>> gather(caches, g, slots, torch.empty(g.chunk_shape(40))).shape
+    >>> gather(caches, g, slots, g.empty_chunk(40)).shape
     torch.Size([2, 2, 40, 2, 64])
     """
     groups, slots = _prepare(kv_caches, geometry, slot_mapping, out, layers, "out")
