@@ -23,14 +23,13 @@ All layers that are views of one storage at a fixed distance (vLLM's CPU
 backend allocates one buffer for all layers) form one group and move in one
 call; the row index then spans the layers too. Rows are moved as the widest
 integer type that tiles them: a bitwise copy that works for dtypes the index
-kernels lack (fp8). On a CPU, rows of 2 KiB and more are copied by numpy,
-one memcpy per row (``take`` to gather, row assignment to scatter, both
-without the GIL), by the calling thread and a helper thread that takes pieces
-while it is free: no OpenMP team, whose barrier waits for a core when another
-process holds it. ``index_copy_`` copies element by element; numpy's row
-assignment was 1.3x to 1.6x faster for rows of 8 KiB and more here. Shorter
-rows, and CUDA tensors, use ``index_select`` (gather) and ``index_copy_``
-(scatter).
+kernels lack (fp8). Gather is one ``index_select`` into the chunk's rows
+(a memcpy per row, over torch's threads). Scatter is one ``index_copy_``,
+except rows of 2 KiB and more into a CPU cache: ``index_copy_`` copies element
+by element, so those are copied by numpy's row assignment, one memcpy per row
+without the GIL, by the calling thread and a helper thread that takes pieces
+while it is free (no OpenMP team, whose barrier waits for a core another
+process holds; see ``NUMPY_GATHER`` for gathering so too).
 
 The reference path (``_gather_by_indexing`` / ``_scatter_by_indexing``) uses
 advanced indexing on the canonical view; it is used when no row longer than
@@ -56,9 +55,15 @@ __all__ = ["gather_groups", "scatter_groups", "whole_block_ids"]
 # (num_layers, kv, num_blocks, block_size, num_kv_heads, head_size) view).
 LayerGroup = tuple[int, torch.Tensor]
 
-# Rows at least this long (bytes) are moved by numpy on the CPU (one memcpy per row, no
-# OpenMP team); shorter ones by torch's index kernels, which pay less per row.
+# Scatter of rows at least this long (bytes) into a CPU cache is done by numpy (one memcpy
+# per row, where index_copy_ copies element by element); shorter rows by index_copy_,
+# which pays less per row.
 NUMPY_MIN_ROW_BYTES = 2048
+# Gather with numpy too (instead of index_select, which parallelizes a memcpy per row over
+# torch's OpenMP threads). Off: on this project's machine index_select was 0.1-0.25x of a
+# copy faster when the second core was free, but a parallel region waits at its barrier
+# for a core another process holds (8 ms for 64 rows, against 8 us single-threaded).
+NUMPY_GATHER = False
 # A CPU copy is cut into pieces of about this many bytes, which the caller and one helper
 # thread take turns at (see `_RowCopier`).
 PIECE_BYTES = 2 << 20
@@ -310,7 +315,8 @@ def _move_dense(groups: list[LayerGroup], slots: torch.Tensor, chunk: torch.Tens
         rows, index, row = plan
         bits = _widest_int(row * part.element_size(), part)
         cache_rows, chunk_rows = rows.view(bits), physical.reshape(-1, row).view(bits)
-        if cache_rows.device.type == "cpu" and row * part.element_size() >= NUMPY_MIN_ROW_BYTES:
+        numpy = cache_rows.device.type == "cpu" and row * part.element_size() >= NUMPY_MIN_ROW_BYTES
+        if numpy and (NUMPY_GATHER or not to_chunk):
             _copy_rows_numpy(cache_rows, index, chunk_rows, to_chunk=to_chunk)
         elif to_chunk:
             torch.index_select(cache_rows, 0, index, out=chunk_rows)

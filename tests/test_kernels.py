@@ -488,6 +488,7 @@ def test_cpu_row_copy_in_pieces_is_bitwise(monkeypatch, helper):
 
     monkeypatch.setattr(torch_kv, "PIECE_BYTES", 4096)  # many pieces of two rows
     monkeypatch.setattr(torch_kv, "USE_HELPER", helper)
+    monkeypatch.setattr(torch_kv, "NUMPY_GATHER", True)
     g = geometry_for("cpu", torch.float32)  # rows of a head's block: 16 x 64 x 4 B = 4 KiB
     source = make_paged_kv(g, NUM_BLOCKS, seed=5)
     slots = random_slot_mapping(64, g, NUM_BLOCKS, seed=6)
