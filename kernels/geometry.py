@@ -57,6 +57,7 @@ carry it in their header (`flowkv.payload`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -139,10 +140,20 @@ def dense_order(tensor: torch.Tensor) -> tuple[int, ...] | None:
     >>> dense_order(torch.empty(2, 3, 4).permute(2, 0, 1))
     (1, 2, 0)
     """
-    # Size-1 dims can sit anywhere; keep them where they are to break ties.
-    order = tuple(sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d) if tensor.shape[d] > 1 else 0, d)))
-    if tensor.dim() and not tensor.permute(order).is_contiguous():
-        return None
+    return _dense_order(tuple(tensor.shape), tensor.stride())
+
+
+@functools.lru_cache(maxsize=256)
+def _dense_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...] | None:
+    # Size-1 dims can sit anywhere: they go innermost, in their own order.
+    order = tuple(sorted(range(len(shape)), key=lambda d: (-stride[d] if shape[d] > 1 else 0, d)))
+    if 0 in shape:
+        return order
+    expected = 1
+    for d in reversed(order):
+        if shape[d] > 1 and stride[d] != expected:
+            return None
+        expected *= shape[d]
     return order
 
 

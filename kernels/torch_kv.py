@@ -81,12 +81,23 @@ def whole_block_ids(slots: torch.Tensor, block_size: int) -> torch.Tensor | None
     num_tokens = slots.numel()
     if num_tokens == 0 or num_tokens % block_size:
         return None
+    if slots.device.type == "cpu":  # a few numpy ops on a small array cost less than torch's
+        per_block = slots.numpy().reshape(-1, block_size)
+        starts = per_block[:, 0]
+        if (starts % block_size).any() or not (per_block - starts[:, None] == _np_offsets(block_size)).all():
+            return None
+        return torch.from_numpy(starts // block_size)
     per_block = slots.view(-1, block_size)
     starts = per_block[:, :1]
     offsets = _block_offsets(block_size, slots.device, slots.dtype)
     if not bool(((starts % block_size == 0) & (per_block - starts == offsets).all(dim=1, keepdim=True)).all()):
         return None
     return starts.squeeze(1) // block_size
+
+
+@functools.lru_cache(maxsize=64)
+def _np_offsets(block_size: int) -> np.ndarray:
+    return np.arange(block_size)
 
 
 @functools.lru_cache(maxsize=64)
@@ -117,19 +128,19 @@ def _widest_int(row_bytes: int, *tensors: torch.Tensor) -> torch.dtype:
     return torch.uint8
 
 
-def _copy_dims(group: torch.Tensor, chunk: torch.Tensor, order: tuple[int, ...],
-               block_ids: torch.Tensor | None) -> list[_Dim]:
+def _copy_dims(group_shape: tuple[int, ...], group_stride: tuple[int, ...], chunk_shape: tuple[int, ...],
+               chunk_stride: tuple[int, ...], order: tuple[int, ...], whole_blocks: bool) -> list[_Dim]:
     """The dims of the copy in the chunk's physical order (outermost first), size-1 dims left
     out but for the one the slot mapping maps; the token dim splits into (block, offset)
     when whole blocks are copied."""
-    num_layers, kv, _, block_size, heads, head_size = group.shape
-    s_layer, s_kv, s_block, s_offset, s_head, s_dim = group.stride()
-    num_tokens = chunk.shape[2]
+    num_layers, kv, _, block_size, heads, head_size = group_shape
+    s_layer, s_kv, s_block, s_offset, s_head, s_dim = group_stride
+    num_tokens = chunk_shape[2]
     dims: list[_Dim] = []
     for logical in order:
-        stride = chunk.stride(logical)
+        stride = chunk_stride[logical]
         if logical == 2:
-            if block_ids is not None:
+            if whole_blocks:
                 dims += [(num_tokens // block_size, stride * block_size, None), (block_size, stride, s_offset)]
             else:
                 dims.append((num_tokens, stride, None))
@@ -139,16 +150,45 @@ def _copy_dims(group: torch.Tensor, chunk: torch.Tensor, order: tuple[int, ...],
     return [dim for dim in dims if dim[0] > 1 or dim[2] is None]
 
 
+# A row plan that does not depend on the slots: row length, the shape of the index
+# (outer dims in the chunk's order), its affine terms, where the slot-mapped dim sits,
+# and a block's and a block offset's stride in rows.
+_StaticPlan = tuple[int, tuple[int, ...], tuple[tuple[int, int], ...], int, int, int]
+
+
 def _row_plan(
     group: torch.Tensor, chunk: torch.Tensor, order: tuple[int, ...], slots: torch.Tensor,
     block_ids: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """(cache rows as an ``(N, row)`` tensor over the group's storage, the row index in
     the chunk's physical order, row length in elements), or None if no row fits."""
-    dims = _copy_dims(group, chunk, order, block_ids)
-    block_size = group.shape[3]
-    _, _, s_block, s_offset, _, _ = group.stride()
-    base = group.storage_offset()
+    static = _static_plan(tuple(group.shape), group.stride(), group.storage_offset(), tuple(chunk.shape),
+                          chunk.stride(), order, block_ids is not None)
+    if static is None:
+        return None
+    row, shape, affine, mapped, block_rows, offset_rows = static
+    index = _frame_rows(group.device, group.storage_offset() // row, shape, affine)
+    if block_ids is not None:
+        per_slot = block_ids * block_rows
+    else:
+        block_size = group.shape[3]
+        per_slot = (slots // block_size) * block_rows + (slots % block_size) * offset_rows
+    view = [1] * len(shape)
+    view[mapped] = shape[mapped]
+    index = index + per_slot.to(index.device).view(view)
+    storage_elems = group.untyped_storage().nbytes() // group.element_size()
+    rows = group.as_strided((storage_elems // row, row), (row, 1), 0)
+    return rows, index.reshape(-1), row
+
+
+@functools.lru_cache(maxsize=256)
+def _static_plan(group_shape: tuple[int, ...], group_stride: tuple[int, ...], base: int,
+                 chunk_shape: tuple[int, ...], chunk_stride: tuple[int, ...], order: tuple[int, ...],
+                 whole_blocks: bool) -> _StaticPlan | None:
+    """The slot-independent part of `_row_plan`, from shapes and strides alone (cached:
+    an engine moves chunks of a few shapes between the same caches)."""
+    dims = _copy_dims(group_shape, group_stride, chunk_shape, chunk_stride, order, whole_blocks)
+    _, _, s_block, s_offset, _, _ = group_stride
     # Row lengths the innermost dims can make, longest last: a dim joins while it
     # continues the row in the chunk and in the cache alike.
     lengths, inner = [1], 0
@@ -161,27 +201,16 @@ def _row_plan(
         row = lengths[merged]
         outer = dims[: len(dims) - merged]
         offsets = [base] + [cache for _, _, cache in outer if cache is not None]
-        offsets += [s_block] + ([s_offset] if block_ids is None else [])
+        offsets += [s_block] + ([s_offset] if not whole_blocks else [])
         if all(offset % row == 0 for offset in offsets):
             break
     else:
         return None
-
     shape = tuple(size for size, _, _ in outer)
     affine = tuple((i, cache // row) for i, (_, _, cache) in enumerate(outer) if cache is not None)
-    index = _frame_rows(group.device, base // row, shape, affine)
-    mapped = [i for i, (_, _, cache) in enumerate(outer) if cache is None]
-    if mapped:
-        if block_ids is not None:
-            per_slot = block_ids * (s_block // row)
-        else:
-            per_slot = (slots // block_size) * (s_block // row) + (slots % block_size) * (s_offset // row)
-        view = [1] * len(shape)
-        view[mapped[0]] = shape[mapped[0]]
-        index = index + per_slot.view(view)
-    storage_elems = group.untyped_storage().nbytes() // group.element_size()
-    rows = group.as_strided((storage_elems // row, row), (row, 1), 0)
-    return rows, index.reshape(-1), row
+    # The slot-mapped dim is never merged into a row, so it is always among the outer dims.
+    (mapped,) = (i for i, (_, _, cache) in enumerate(outer) if cache is None)
+    return row, shape, affine, mapped, s_block // row, s_offset // row
 
 
 class _Job:

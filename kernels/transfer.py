@@ -9,7 +9,10 @@ it imports, everything else uses torch.
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -81,6 +84,27 @@ def _layer_groups(layers: list[torch.Tensor], geometry: KVGeometry) -> list[torc
     return groups
 
 
+# Layer groups of recent caches: an engine passes the same tensors on every call. Keyed by
+# the tensors' ids and checked through weak references, so a cache that is dropped is
+# neither kept alive nor mistaken for a new one at the same address.
+_GROUPS: dict[tuple[Any, ...], tuple[list[weakref.ref], list[torch_kv.LayerGroup]]] = {}
+_GROUPS_KEPT = 16
+_GROUPS_LOCK = threading.Lock()
+
+
+def _cached_layer_groups(layers: list[torch.Tensor], geometry: KVGeometry) -> list[torch_kv.LayerGroup]:
+    key = (geometry, tuple(map(id, layers)))
+    hit = _GROUPS.get(key)
+    if hit is not None and all(ref() is layer for ref, layer in zip(hit[0], layers)):
+        return hit[1]
+    groups = _layer_groups(layers, geometry)
+    with _GROUPS_LOCK:
+        if len(_GROUPS) >= _GROUPS_KEPT:
+            _GROUPS.pop(next(iter(_GROUPS)))
+        _GROUPS[key] = ([weakref.ref(layer) for layer in layers], groups)
+    return groups
+
+
 def _prepare(
     kv_caches: KVCaches,
     geometry: KVGeometry,
@@ -104,7 +128,7 @@ def _prepare(
     if slot_mapping.dtype.is_floating_point or slot_mapping.dtype == torch.bool:
         raise ValueError(f"slot_mapping must hold integers, got {slot_mapping.dtype}")
     device = cache_layers[0].device
-    expected = (len(layer_ids),) + geometry.chunk_shape(slot_mapping.numel())[1:]
+    expected = (len(layer_ids), geometry.kv, slot_mapping.numel(), geometry.num_kv_heads, geometry.head_size)
     if tuple(chunk.shape) != expected:
         raise ValueError(f"{chunk_name} has shape {tuple(chunk.shape)}, expected {expected}")
     # A chunk buffer on the CPU (the engine's arena) with a cache on a GPU moves
@@ -122,7 +146,7 @@ def _prepare(
                          f"outermost and head_size innermost (got shape {tuple(chunk.shape)}, "
                          f"strides {chunk.stride()})")
 
-    groups = _layer_groups([cache_layers[i] for i in layer_ids], geometry)
+    groups = _cached_layer_groups([cache_layers[i] for i in layer_ids], geometry)
     num_blocks = groups[0][1].shape[2]
     if any(group.shape[2] != num_blocks for _, group in groups):
         raise ValueError(f"KV layers hold different numbers of blocks: {[group.shape[2] for _, group in groups]}")
