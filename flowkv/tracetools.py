@@ -69,6 +69,7 @@ FAR_BELOW_COPY = 0.5  # a transfer stage slower than this share of the machine's
 FAULTED_SHARE = 0.25  # of a transfer's bytes landing on pages it faulted in: first-touch faults
 CONTENDED_CPU_SHARE = 0.75  # the transferring thread on a core less than this share of the time
 SHORT_ROW_BYTES = 4096  # rows shorter than this make a gather/scatter slower than a copy
+SHORT_CALL_NS = 250_000  # a transfer call this short at copy speed pays mostly its fixed cost
 COPY_GBPS_ATTRIBUTE = "flowkv.host.copy_gbps"
 _PROBE_ATTRIBUTES = ("flowkv.faults", "flowkv.cpu_ns", "flowkv.preempted")
 _TRANSFER_STAGES = frozenset({"gather", "scatter"})
@@ -489,7 +490,9 @@ def suggest(summary: Summary) -> list[str]:
        applies: *first-touch page faults* (page faults for at least
        [FAULTED_SHARE] of its bytes, in 4 KiB pages); *thread contention*
        (the transferring thread on a core for under [CONTENDED_CPU_SHARE] of
-       the stage's time); *layout* (copies of rows under [SHORT_ROW_BYTES]).
+       the stage's time); *layout* (copies of rows under [SHORT_ROW_BYTES]);
+       *per-call cost* (chunks that take under [SHORT_CALL_NS] each at copy
+       speed).
     """
     advice: list[str] = []
     ratio = summary.overlap_ratio
@@ -589,8 +592,15 @@ def _slow_transfer(stage: StageStats, copy_gbps: float) -> str:
             "chunk is whole blocks of the cache, so make `chunk_size` a multiple of the block size (a partial "
             "last chunk moves token by token), and keep chunk buffers in the engine's format (chunk format 2)"
         )
+    per_item = stage.total_bytes / stage.items_out if stage.items_out else 0
+    if per_item and per_item / copy_gbps < SHORT_CALL_NS:
+        causes.append(
+            f"per-call cost (each chunk moves {_bytes(per_item)}, {per_item / copy_gbps / 1e3:.0f} us at copy "
+            "speed, so the fixed cost of a transfer call, tens of us, weighs): a larger `chunk_size` moves "
+            "more per call"
+        )
     if not causes:
-        causes.append("none that the trace records (no page faults, contention or short rows counted)")
+        causes.append("none that the trace records (no page faults, contention, short rows or small chunks)")
     return (
         f"Transfer stage {label} moves {stage.gbps:.1f} GB/s, {stage.gbps / copy_gbps:.0%} of this machine's "
         f"copy bandwidth ({copy_gbps:.1f} GB/s). Likely cause: " + "; ".join(causes) + "."

@@ -416,6 +416,13 @@ def test_slow_transfer_causes_are_told_apart():
     assert "none that the trace records" in unknown
     assert "3.4 GB/s, 34% of this machine's copy bandwidth (10.0 GB/s)" in unknown
 
+    # 32 chunks of 1 MiB: 105 us each at 10 GB/s, so the fixed cost of each call weighs.
+    small = transfer_span(1, own_ms=10, nbytes=32 * MIB, row_bytes=8192)
+    small.attributes["flowkv.items_out"] = 32
+    (per_call,) = slow_transfer_advice([small])
+    assert "per-call cost (each chunk moves 1.0 MiB, 105 us at copy speed" in per_call
+    assert "`chunk_size`" in per_call and "none that" not in per_call
+
 
 def test_fast_transfers_and_traces_without_bandwidth_get_no_transfer_advice():
     fast = transfer_span(1, own_ms=10, nbytes=64 * MIB, row_bytes=256)  # 6.7 GB/s: 67% of 10 GB/s
