@@ -5,7 +5,8 @@ stage run is an OpenTelemetry span; the vLLM connector lives in
 ``flowkv.integration.vllm``.
 """
 
-from flowkv.items import Chunk, Request, RunContext
+from flowkv.calls import KVTransfer, RetrieveResult, StoreResult
+from flowkv.items import Chunk, Request, RunContext, Services
 from flowkv.pipeline import Diagnostic, Pipeline, PipelineError, load_pipeline, loads_pipeline
 from flowkv.registry import stage, tier
 from flowkv.runner import Runner, StageError
@@ -16,12 +17,16 @@ __all__ = [
     "CacheEngine",
     "Chunk",
     "Diagnostic",
+    "KVTransfer",
     "Pipeline",
     "PipelineError",
     "Request",
+    "RetrieveResult",
     "RunContext",
     "Runner",
+    "Services",
     "StageError",
+    "StoreResult",
     "load_pipeline",
     "loads_pipeline",
     "stage",

@@ -1,17 +1,27 @@
-"""What flows through stages: one ``Request`` in, ``Chunk`` items after ``tokenize``.
+"""What flows through stages, and what a stage may use.
 
-A run's source yields the request; ``tokenize`` cuts it into chunks; every
-later stage adds a facet to each chunk (its key, its memory buffer, its
+A run's source yields one ``Request``; ``tokenize`` cuts it into ``Chunk`` s;
+every later stage adds a facet to each chunk (its key, its memory buffer, its
 encoded payload, where it was found) and passes it on, or stops the run early.
+A stage that declares a ``ctx`` parameter gets the ``RunContext``: the run's
+kind, request and layer, ``record`` for its span, ``defer`` for cleanup, and
+``ctx.services`` — the typed ``Services`` of the engine it runs for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
+
+if TYPE_CHECKING:
+    from flowkv.accounting import Counters
+    from flowkv.kernels import KVGeometry
+    from flowkv.keys import CacheKey, ChunkKeys
+    from flowkv.tiers.chain import StorageManager
 
 
 @attrs.define(eq=False)
@@ -40,6 +50,15 @@ class Request:
     def num_tokens(self) -> int:
         return int(self.tokens.numel())
 
+    def fail_from(self, chunk: Chunk) -> None:
+        """``chunk`` was promised but cannot be loaded: the good prefix ends before it.
+
+        The failed range runs from its start to the end of what lookup
+        promised (at least to its own end); the earliest such chunk wins.
+        """
+        if self.failed_range is None or chunk.start < self.failed_range[0]:
+            self.failed_range = (chunk.start, max(self.hit_tokens or 0, chunk.end))
+
 
 @attrs.define(eq=False, repr=False)
 class Chunk:
@@ -67,18 +86,45 @@ class Chunk:
         return f"Chunk(#{self.index} [{self.start}:{self.end}] tier={self.tier} skip={self.skip})"
 
 
+@attrs.frozen(kw_only=True)
+class Services:
+    """What the engine offers the stages it runs: the stage contract, besides the items.
+
+    Built-in stages use exactly this; so does a user's stage (``ctx.services``).
+    """
+
+    geometry: KVGeometry  # the paged KV cache's layout; chunk shapes and dtype
+    chunk_size: int  # tokens per chunk ([pipeline] chunk_size)
+    save_partial_chunks: bool  # store a last chunk shorter than chunk_size ([pipeline])
+    keys: ChunkKeys  # chunk keys: keys.of(tokens, tags, spans)
+    storage: StorageManager  # the ordered tiers: find, read, allocate, put, pin, prefetch
+    counters: Counters  # counters.count(name, n): shown in stats() and the vLLM metrics
+
+    def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
+        """The raw KV shape of a chunk of ``num_tokens`` tokens."""
+        return self.geometry.chunk_shape(num_tokens)
+
+    def chunk_keys(self, request: Request, spans: Sequence[tuple[int, int]] | None = None) -> list[CacheKey]:
+        """Keys of ``request``'s chunks (every ``chunk_size`` tokens, or the given ``spans``)."""
+        return self.keys.of(request.tokens, request.tags, spans)
+
+    def count(self, name: str, n: float = 1) -> None:
+        self.counters.count(name, n)
+
+
 @attrs.define(eq=False)
 class RunContext:
     """Handed to stages that declare a ``ctx`` parameter.
 
-    ``engine`` is whatever the caller runs the pipeline for (``CacheEngine``'s
-    shared state: geometry, tiers, key builder); ``record`` puts attributes on
-    the running stage's span without the stage touching OpenTelemetry.
+    ``services`` is what the engine offers stages (``Services``; None when a
+    stage runs alone, e.g. in ``flowkv.testing.run_stage``); ``record`` puts
+    attributes on the running stage's span without the stage touching
+    OpenTelemetry.
     """
 
     kind: str  # "store", "retrieve" or "lookup"
     request: Request | None = None
-    engine: Any = None
+    services: Services | None = None
     layer: int | None = None
     # Set by the runner around each stage step when the run is traced.
     _recorder: Callable[[dict[str, Any]], None] | None = None
@@ -86,6 +132,14 @@ class RunContext:
     totals: dict[str, float] = attrs.field(factory=dict)
     # Called once the run is over, whatever its end: releases what stages took.
     _deferred: list[Callable[[], Any]] = attrs.field(factory=list)
+
+    @property
+    def engine(self) -> Any:
+        """Deprecated: stages use ``ctx.services``. A read-only view with the old
+        engine's names (``memory``, ``geometry``, ``chunk_size``, ``count``, ...)."""
+        warnings.warn("ctx.engine is deprecated; use ctx.services (flowkv.items.Services)",
+                      DeprecationWarning, stacklevel=2)
+        return _LegacyEngineView(self.services) if self.services is not None else None
 
     def defer(self, callback: Callable[[], Any]) -> None:
         """Call ``callback`` when the run ends (e.g. drop a reference a stage took)."""
@@ -111,3 +165,22 @@ class RunContext:
                 self.totals[name] = self.totals.get(name, 0) + value
         if self._recorder is not None:
             self._recorder(attributes)
+
+
+class _LegacyEngineView:
+    """What stages written against ``ctx.engine`` used, answered from the services."""
+
+    def __init__(self, services: Services) -> None:
+        self._services = services
+        self.memory = services.storage.memory
+        self.memory_name = services.storage.staging
+        self.tier_names = list(services.storage.order)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._services, name)
+
+    def chunk_shape(self, chunk: Chunk) -> tuple[int, ...]:
+        return self._services.chunk_shape(chunk.num_tokens)
+
+    def key_prefix(self, tags: Mapping[str, str]) -> Any:
+        return self._services.keys.prefix(tags)

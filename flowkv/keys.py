@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import array
 import abc
+import collections
 import difflib
 import hashlib
 import re
 import struct
 import sys
+import threading
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -48,6 +50,7 @@ __all__ = [
     "HASH_FUNCTIONS",
     "CacheKey",
     "ChunkHashFunction",
+    "ChunkKeys",
     "KeyPrefix",
     "chain_hashes",
     "chain_span_hashes",
@@ -541,3 +544,75 @@ class CacheKey:
             # let a tier hold the same chunk twice.
             raise ValueError(f"not a canonical flowkv cache key: {text!r}")
         return key
+
+
+class ChunkKeys:
+    """The chunk keys of one engine's requests: a `KeyPrefix` per tag set, then chained hashes.
+
+    Lookup, retrieve and store of one request hash the same tokens; a small
+    cache keyed by a fast digest of the tokens does it once. Thread-safe.
+
+    Example::
+
+        >>> keys = ChunkKeys(model="org/model", world_size=1, rank=0, dtype="bfloat16",
+        ...                  layout="lbhnc-h2-d64", chunk_size=256, hash_function="sha256")
+        >>> len(keys.of(np.arange(600)))     # two full chunks and a partial one
+        3
+    """
+
+    _CACHED = 64  # token lists remembered
+
+    def __init__(self, *, model: str, world_size: int, rank: int, dtype: Any, layout: str,
+                 chunk_size: int, hash_function: str | ChunkHashFunction = "auto") -> None:
+        self.model = model
+        self.world_size = world_size
+        self.rank = rank
+        self.dtype = dtype
+        self.layout = layout
+        self.chunk_size = chunk_size
+        if hash_function == "auto":
+            hash_function = default_hash_function_name()
+        self.hash_fn = get_hash_function(hash_function)
+        self._prefixes: dict[tuple[tuple[str, str], ...], KeyPrefix] = {}
+        self._lock = threading.Lock()
+        #: recent token lists' keys (``cache.clear()`` makes the next call hash afresh)
+        self.cache: collections.OrderedDict[tuple[Any, ...], list[CacheKey]] = collections.OrderedDict()
+
+    def prefix(self, tags: Mapping[str, str] | None = None) -> KeyPrefix:
+        """The key prefix of requests with ``tags``."""
+        frozen = tuple(sorted((tags or {}).items()))
+        prefix = self._prefixes.get(frozen)
+        if prefix is None:
+            prefix = KeyPrefix.build(model=self.model, world_size=self.world_size, worker_rank=self.rank,
+                                     dtype=self.dtype, layout=self.layout, tags=dict(frozen))
+            self._prefixes[frozen] = prefix
+        return prefix
+
+    def of(self, tokens: Any, tags: Mapping[str, str] | None = None,
+           spans: Sequence[tuple[int, int]] | None = None) -> list[CacheKey]:
+        """Keys of every ``chunk_size`` tokens (a partial last one included), or of the
+        given consecutive ``spans`` (from a segmenter)."""
+        prefix = self.prefix(tags)
+        array_ = np.ascontiguousarray(tokens.numpy() if hasattr(tokens, "numpy") else np.asarray(tokens))
+        num_tokens = len(array_)
+        digest = xxhash.xxh3_128_digest(array_)  # no copy when contiguous
+        size = self.chunk_size
+        regular = spans is None or all(
+            start == i * size and end == min(start + size, num_tokens) for i, (start, end) in enumerate(spans)
+        )
+        cache_key = (prefix, digest, num_tokens, None if regular else tuple(spans))
+        with self._lock:
+            keys = self.cache.get(cache_key)
+            if keys is not None:
+                self.cache.move_to_end(cache_key)
+                return keys
+        if regular:
+            hashes = chain_hashes(tokens, size, self.hash_fn, partial=True)
+        else:
+            hashes = chain_span_hashes(tokens, spans, self.hash_fn)
+        keys = prefix.keys(hashes)
+        with self._lock:
+            self.cache[cache_key] = keys
+            while len(self.cache) > self._CACHED:
+                self.cache.popitem(last=False)
+        return keys

@@ -7,62 +7,95 @@
                                    +--> layer 0 block, layer 1 block, ... (queued at once)
     wait(0) ... compute layer 0
     wait(1) ... compute layer 1          (layer i+1 lands while layer i computes)
-    finish() -> ret_mask
+    finish() -> ret_mask                  (handle.result: the RetrieveResult)
 
 A store runs the other way: ``layer_ready(i)`` after the model computed layer
 i queues its gather; ``finish()`` runs the tail (compress, put) over the
 chunks whose every layer arrived.
+
+The handles drive an executor (``flowkv.executor.Executor``) through its
+public methods only: ``context``, ``run`` (one part of a list), ``submit_layer``
+and ``finish_store`` / ``finish_retrieve``. A chunk counts only when every
+layer moved: ``complete_prefix`` is that rule, and the first chunk it stops
+at is where ``Request.fail_from`` cuts the load.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
+from flowkv.calls import StoreResult
 from flowkv.items import Chunk, Request, RunContext
 
-if TYPE_CHECKING:
-    from flowkv.engine import CacheEngine
+
+class SegmentExecutor(Protocol):
+    """What a layerwise handle needs of the executor that made it."""
+
+    tracer: Any
+    num_layers: int
+
+    def context(self, kind: str, request: Request | None, layer: int | None = None) -> RunContext: ...
+
+    def run(self, kind: str, source: list[Any], ctx: RunContext, *, part: str = "all",
+            parent: Any = None) -> list[Any]: ...
+
+    def submit_layer(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]: ...
+
+    def healthy(self) -> bool: ...
+
+    def skipped(self) -> None: ...
+
+    def finish_store(self, stored: int, started: float) -> Any: ...
+
+    def finish_retrieve(self, request: Request, started: float) -> Any: ...
 
 
 class LayerwiseRun:
     """What a layerwise store and retrieve share: the request span, the worker, the device stream."""
 
-    def __init__(self, engine: CacheEngine, request: Request, kind: str) -> None:
-        self.engine = engine
+    def __init__(self, executor: SegmentExecutor, request: Request, kind: str) -> None:
+        self.executor = executor
         self.request = request
         self.kind = kind
         self.started = time.perf_counter()  # a layerwise call lasts from its start to finish()
-        self.num_layers = engine.geometry.num_layers
-        self.ctx = RunContext(kind=kind, request=request, engine=engine)
+        self.num_layers = executor.num_layers
+        self.ctx = executor.context(kind, request)
         self.chunks: list[Chunk] = []
         self.futures: dict[int, concurrent.futures.Future[Any]] = {}
         self.finished = False
-        self.span = engine.tracer.start_span(f"flowkv.{kind}.layerwise")
+        self.result: Any = None  # the StoreResult / RetrieveResult, once finished
+        self.span = executor.tracer.start_span(f"flowkv.{kind}.layerwise")
         if request.request_id is not None:
             self.span.set_attribute("flowkv.request_id", request.request_id)
         device = request.kv_caches[0].device if request.kv_caches else torch.device("cpu")
         # On CUDA, per-layer copies run on a side stream ordered by events; on CPU the
         # worker thread alone gives the overlap (torch kernels release the GIL).
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        # Written by the layer worker before its future completes, read after waiting on it.
         self.events: dict[int, Any] = {}
 
+    def run_part(self, part: str, source: list[Any]) -> list[Any]:
+        """Run the head or tail of the list, once, under this call's span."""
+        return self.executor.run(self.kind, source, self.ctx, part=part, parent=self.span)
+
     def submit(self, layer: int, ready_event: Any = None) -> None:
-        self.futures[layer] = self.engine.layer_worker().submit(self._run_layer, layer, ready_event)
+        self.futures[layer] = self.executor.submit_layer(self._run_layer, layer, ready_event)
 
     def _run_layer(self, layer: int, ready_event: Any) -> None:
-        ctx = RunContext(kind=self.kind, request=self.request, engine=self.engine, layer=layer)
-        runner = self.engine.segments[(self.kind, "layer")]
+        executor = self.executor
+        ctx = executor.context(self.kind, self.request, layer)
         if self.stream is None:
-            self.engine._run_with(runner, self.chunks, ctx, parent=self.span)
+            executor.run(self.kind, self.chunks, ctx, part="layer", parent=self.span)
             return
         with torch.cuda.stream(self.stream):
             if ready_event is not None:
                 self.stream.wait_event(ready_event)
-            self.engine._run_with(runner, self.chunks, ctx, parent=self.span)
+            executor.run(self.kind, self.chunks, ctx, part="layer", parent=self.span)
             event = torch.cuda.Event()
             event.record(self.stream)
             self.events[layer] = event
@@ -71,7 +104,7 @@ class LayerwiseRun:
         future = self.futures.get(layer)
         if future is None:
             return
-        with self.engine.tracer.start_as_current_span(
+        with self.executor.tracer.start_as_current_span(
             "flowkv.wait", context=_span_context(self.span), attributes={"flowkv.layer": layer}
         ):
             future.result()
@@ -80,13 +113,11 @@ class LayerwiseRun:
                 torch.cuda.current_stream().wait_event(event)
 
     def complete_prefix(self) -> list[Chunk]:
-        """The chunks, in order, up to the first one missing a layer."""
+        """The chunks, in order, up to the first one missing a layer (which fails the request there)."""
         done = []
         for chunk in self.chunks:
             if chunk.layers_done < self.num_layers:
-                request = self.request
-                request.failed_range = request.failed_range or (
-                    chunk.start, max(request.hit_tokens or 0, self.chunks[-1].end))
+                self.request.fail_from(chunk)
                 break
             done.append(chunk)
         return done
@@ -111,56 +142,58 @@ class LayerwiseRun:
 class LayerwiseRetrieve(LayerwiseRun):
     """One request's retrieve, landing layer by layer."""
 
-    def __init__(self, engine: CacheEngine, request: Request) -> None:
-        super().__init__(engine, request, "retrieve")
+    def __init__(self, executor: SegmentExecutor, request: Request) -> None:
+        super().__init__(executor, request, "retrieve")
 
     def start(self) -> None:
-        engine = self.engine
-        if not engine.is_healthy():
-            engine.count("skipped_unhealthy")
+        if not self.executor.healthy():
+            self.executor.skipped()
             return
-        items = engine._run_with(engine.segments[("retrieve", "head")], [self.request], self.ctx,
-                                 parent=self.span)
+        items = self.run_part("head", [self.request])
         self.chunks = [c for c in items if isinstance(c, Chunk) and not c.skip]
         if not self.chunks:  # nothing to load: wait() has no layer to wait for
             return
         for layer in range(self.num_layers):
             self.submit(layer)
 
+    @property
+    def found_to(self) -> int:
+        """Where the load ends if every layer lands: the end of the chunks the head found."""
+        return self.chunks[-1].end if self.chunks else self.request.masked
+
+    def found_within(self, start: int, end: int) -> int:
+        """``found_to`` within a load of tokens ``[start, end)``."""
+        return min(max(self.found_to, start), end)
+
     def wait(self, layer: int) -> None:
         """Block until ``layer``'s KV is in the paged cache (call before the model reads it)."""
         self.wait_layer(layer)
 
     def finish(self) -> torch.Tensor:
-        """Wait for every layer; the ret_mask of chunks whose layers all landed."""
+        """Wait for every layer; the ret_mask of chunks whose layers all landed (``result``: all of it)."""
         if not self.finished:
             self.close()
             for chunk in self.complete_prefix():
                 self.request.ret_mask[chunk.start:chunk.end] = True
-            if self.request.lookup_id is not None:
-                self.engine.release(self.request.lookup_id)
-            self.engine._retrieved(self.request)
-            self.engine._observe("retrieve", self.started)
+            self.result = self.executor.finish_retrieve(self.request, self.started)
         return self.request.ret_mask
 
 
 class LayerwiseStore(LayerwiseRun):
     """One request's store, copying each layer out once the model computed it."""
 
-    def __init__(self, engine: CacheEngine, request: Request) -> None:
-        super().__init__(engine, request, "store")
+    def __init__(self, executor: SegmentExecutor, request: Request) -> None:
+        super().__init__(executor, request, "store")
         self.head_done = False  # the head (find and allocate the chunks) runs at the first layer_ready
-        self.skipped = not engine.is_healthy()
+        self.skipped = not executor.healthy()
 
     def layer_ready(self, layer: int) -> None:
         """``layer``'s KV for this request is computed: queue its copy out."""
-        engine = self.engine
         if self.skipped:
             return
         if not self.head_done:
             self.head_done = True
-            items = engine._run_with(engine.segments[("store", "head")], [self.request], self.ctx,
-                                     parent=self.span)
+            items = self.run_part("head", [self.request])
             self.chunks = [c for c in items if isinstance(c, Chunk)]
         if not self.chunks:  # nothing new to store: no per-layer runs, spans or events
             return
@@ -175,18 +208,17 @@ class LayerwiseStore(LayerwiseRun):
         if self.finished:
             return 0
         if self.skipped:
-            self.engine.count("skipped_unhealthy")
+            self.executor.skipped()
             self.close()
+            self.result = StoreResult(0)
             return 0
         self.settle()
         complete = self.complete_prefix()
-        items = self.engine._run_with(self.engine.segments[("store", "tail")], complete, self.ctx,
-                                      parent=self.span) if complete else []
+        items = self.run_part("tail", complete) if complete else []
         self.close()
-        stored = sum(c.num_tokens for c in items if isinstance(c, Chunk))
-        self.engine._stored(stored)
-        self.engine._observe("store", self.started)
-        return stored
+        self.result = self.executor.finish_store(sum(c.num_tokens for c in items if isinstance(c, Chunk)),
+                                                 self.started)
+        return self.result.stored_tokens
 
     def abort(self) -> None:
         """Drop this store (the request went away): free what it allocated."""

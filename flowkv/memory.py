@@ -1,4 +1,4 @@
-"""The memory tier: a page arena, reference-counted `MemoryObj`s, and an LRU `MemoryTier`.
+"""Host memory for chunks: a page arena and reference-counted `MemoryObj`s.
 
 ::
 
@@ -17,24 +17,18 @@ Free runs are coalesced when freed; allocation takes the first free run that
 fits (the same-sized full chunks of a steady workload reuse each other's
 runs), never waits, and answers ``None`` when no run is long enough.
 
-Ownership: `allocate` returns an object with ``ref_count == 1`` held by the
-caller. The tier takes its own reference on `MemoryTier.put`; `MemoryTier.get`
-takes one for the caller. The pages return to the arena when the count
-reaches 0. Pins (per lookup owner, with a deadline) keep an entry from being
-evicted between lookup and retrieve; they hold no reference.
+Ownership: `MemoryArena.allocate` returns an object with ``ref_count == 1``
+held by the caller; the pages return to the arena when the count reaches 0.
+The memory tier (keys, LRU eviction, pins) is `flowkv.tiers.memory.MemoryTier`.
 
 Example::
 
     >>> import torch
-    >>> tier = MemoryTier(MemoryArena(parse_size("1MiB"), slab_bytes=64 * 1024))
-    >>> obj = tier.allocate((4, 256), torch.float16)
-    >>> tier.put("model/1.0/float16/l/notags/00ff", obj)
-    True
-    >>> obj.ref_down()                   # the tier keeps its own reference
-    >>> hit = tier.get("model/1.0/float16/l/notags/00ff")
-    >>> hit.tensor.shape
+    >>> arena = MemoryArena(parse_size("1MiB"), slab_bytes=64 * 1024)
+    >>> obj = arena.allocate((4, 256), torch.float16)
+    >>> obj.tensor.shape
     torch.Size([4, 256])
-    >>> hit.ref_down()
+    >>> obj.ref_down()                   # the last reference: the pages go back
 """
 
 from __future__ import annotations
@@ -42,12 +36,9 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-import time
 import weakref
-from collections import OrderedDict
 from typing import Any
 
-import attrs
 import torch
 
 from flowkv.resident import PrefaultMode, ResidentBuffer
@@ -56,8 +47,6 @@ from flowkv.sizes import parse_size
 __all__ = [
     "MemoryArena",
     "MemoryObj",
-    "MemoryTier",
-    "MemoryTierStats",
     "parse_size",
 ]
 
@@ -401,270 +390,3 @@ class MemoryArena:
         return (f"<MemoryArena {self.num_pages} x {self.page_bytes} B pages ({self.num_slabs} slabs of "
                 f"{self.slab_bytes} B) on {self.device}{' pinned' if self.pinned else ''}, "
                 f"{self.free_bytes} B free in {self.free_runs} runs>")
-
-
-# --------------------------------------------------------------------------
-# The tier
-# --------------------------------------------------------------------------
-
-
-@attrs.frozen
-class MemoryTierStats:
-    """A snapshot of a `MemoryTier`'s counters."""
-
-    #: entries held
-    entries: int
-    #: bytes of pages in use in the arena (tier entries and objects still being filled)
-    used_bytes: int
-    #: bytes the arena can hold
-    capacity_bytes: int
-    #: entries evicted to make room
-    evictions: int
-    #: allocations that found no room even after eviction
-    allocation_failures: int
-    #: entries with at least one pin
-    pinned_objects: int
-    #: `MemoryTier.get` calls that found their key
-    hits: int
-    #: `MemoryTier.get` calls that did not
-    misses: int
-
-
-class MemoryTier:
-    """Keys (`flowkv.keys.CacheKey.to_str` strings) to `MemoryObj`s, in LRU order.
-
-    Eviction takes the least recently used entry that is neither pinned nor
-    referenced by anyone but the tier. Thread-safe: one lock, held only for
-    bookkeeping, never across a tensor copy.
-    """
-
-    name = "memory"
-
-    def __init__(self, arena: MemoryArena) -> None:
-        self.arena = arena
-        # Oldest first; a hit moves an entry to the end.
-        self._entries: OrderedDict[str, MemoryObj] = OrderedDict()
-        # key -> {owner_id: deadline (monotonic seconds)}
-        self._pins: dict[str, dict[Any, float]] = {}
-        # owner_id -> keys it pinned, so release_owner does not scan every pin
-        self._owner_keys: dict[Any, set[str]] = {}
-        # No pin's deadline is earlier (a bound: a pin released or moved later leaves
-        # it low), so expire_pins, run by every engine call, scans only when one may be due.
-        self._earliest_deadline = math.inf
-        # Lock order: tier lock, then arena lock (inside MemoryObj methods); never reversed.
-        self._lock = threading.Lock()
-        self._evictions = 0
-        self._allocation_failures = 0
-        self._hits = 0
-        self._misses = 0
-
-    # -- lookups ---------------------------------------------------------
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, key: str) -> bool:
-        return self.contains(key)
-
-    def contains(self, key: str) -> bool:
-        """Whether ``key`` is held (does not touch LRU order)."""
-        with self._lock:
-            return key in self._entries
-
-    def keys(self) -> list[str]:
-        """A snapshot of the keys, least recently used first."""
-        with self._lock:
-            return list(self._entries)
-
-    def get(self, key: str) -> MemoryObj | None:
-        """The object under ``key`` with a reference taken for the caller (who must
-        `MemoryObj.ref_down` it), or ``None``. Marks the entry most recently used."""
-        with self._lock:
-            obj = self._entries.get(key)
-            if obj is None:
-                self._misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self._hits += 1
-            obj.ref_up()
-            return obj
-
-    # -- writes ----------------------------------------------------------
-
-    def put(self, key: str, obj: MemoryObj) -> bool:
-        """Hold ``obj`` under ``key``, taking the tier's own reference.
-
-        Returns False (and takes nothing) when ``key`` is already held. The
-        caller keeps its own reference and drops it when done.
-        """
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"key must be a non-empty str, got {key!r}")
-        if obj.arena is not self.arena:
-            raise ValueError("MemoryObj belongs to another arena; allocate it from this tier")
-        with self._lock:
-            if key in self._entries:
-                return False
-            obj.ref_up()
-            self._entries[key] = obj
-            return True
-
-    def remove(self, key: str) -> bool:
-        """Drop ``key`` and any pins on it; False when it is not held.
-
-        Readers that hold a reference keep a valid object until they drop it.
-        """
-        with self._lock:
-            obj = self._entries.pop(key, None)
-            if obj is None:
-                return False
-            self._drop_pins_locked(key, obj)
-            obj.ref_down()
-            return True
-
-    # -- pins ------------------------------------------------------------
-
-    def pin(self, key: str, owner_id: Any, *, timeout_s: float, now: float | None = None) -> bool:
-        """Keep ``key`` from eviction on behalf of ``owner_id`` (a lookup) until
-        `unpin`, `release_owner`, or ``timeout_s`` later (`expire_pins`).
-
-        Pinning again by the same owner only moves the deadline. Returns False
-        when ``key`` is not held. ``now`` is a `time.monotonic` reading.
-        """
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
-        deadline = (time.monotonic() if now is None else now) + timeout_s
-        with self._lock:
-            obj = self._entries.get(key)
-            if obj is None:
-                return False
-            owners = self._pins.setdefault(key, {})
-            if owner_id not in owners:
-                obj.pin()
-                self._owner_keys.setdefault(owner_id, set()).add(key)
-            owners[owner_id] = deadline
-            self._earliest_deadline = min(self._earliest_deadline, deadline)
-            return True
-
-    def unpin(self, key: str, owner_id: Any) -> bool:
-        """Release ``owner_id``'s pin on ``key``; False when there was none."""
-        with self._lock:
-            return self._unpin_locked(key, owner_id)
-
-    def release_owner(self, owner_id: Any) -> int:
-        """Release every pin ``owner_id`` holds (retrieve done, request aborted); returns how many."""
-        with self._lock:
-            keys = self._owner_keys.get(owner_id)
-            if not keys:
-                return 0
-            released = 0
-            for key in list(keys):
-                released += self._unpin_locked(key, owner_id)
-            return released
-
-    def expire_pins(self, now: float | None = None) -> int:
-        """Release pins whose deadline has passed; returns how many.
-
-        ``now`` is a `time.monotonic` reading (default: now).
-        """
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            if now < self._earliest_deadline:
-                return 0
-            expired = []
-            earliest = math.inf
-            for key, owners in self._pins.items():
-                for owner, deadline in owners.items():
-                    if deadline <= now:
-                        expired.append((key, owner))
-                    else:
-                        earliest = min(earliest, deadline)
-            self._earliest_deadline = earliest
-            for key, owner in expired:
-                self._unpin_locked(key, owner)
-            return len(expired)
-
-    def _unpin_locked(self, key: str, owner_id: Any) -> bool:
-        owners = self._pins.get(key)
-        if owners is None or owner_id not in owners:
-            return False
-        del owners[owner_id]
-        if not owners:
-            del self._pins[key]
-        owner_keys = self._owner_keys[owner_id]
-        owner_keys.discard(key)
-        if not owner_keys:
-            del self._owner_keys[owner_id]
-        self._entries[key].unpin()
-        return True
-
-    def _drop_pins_locked(self, key: str, obj: MemoryObj) -> None:
-        for owner_id in self._pins.pop(key, {}):
-            owner_keys = self._owner_keys[owner_id]
-            owner_keys.discard(key)
-            if not owner_keys:
-                del self._owner_keys[owner_id]
-            obj.unpin()
-
-    # -- allocation ------------------------------------------------------
-
-    def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> MemoryObj | None:
-        """Allocate from the arena, evicting LRU entries if needed; ``None`` when
-        nothing evictable is left (every entry pinned or in use by a reader)."""
-        return self._allocate_evicting(lambda: self.arena.allocate(shape, dtype))
-
-    def allocate_bytes(self, nbytes: int) -> MemoryObj | None:
-        """`MemoryArena.allocate_bytes`, evicting like `allocate`."""
-        return self._allocate_evicting(lambda: self.arena.allocate_bytes(nbytes))
-
-    def _allocate_evicting(self, allocate) -> MemoryObj | None:
-        obj = allocate()
-        if obj is not None:
-            return obj
-        with self._lock:
-            while True:
-                # Another thread may have freed pages since the first try.
-                obj = allocate()
-                if obj is not None:
-                    return obj
-                if not self._evict_one_locked():
-                    self._allocation_failures += 1
-                    return None
-
-    def _evict_one_locked(self) -> bool:
-        victim = None
-        for key, obj in self._entries.items():
-            # ref_count == 1 means the tier's is the only reference. It cannot
-            # rise under our feet: new references come from get() (which needs
-            # this lock) or from a holder, and a holder would make it >= 2.
-            if obj.pin_count == 0 and obj.ref_count == 1:
-                victim = key
-                break
-        if victim is None:
-            return False
-        self._entries.pop(victim).ref_down()
-        self._evictions += 1
-        return True
-
-    # -- counters --------------------------------------------------------
-
-    def stats(self) -> MemoryTierStats:
-        """A consistent snapshot of the counters."""
-        with self._lock:
-            return MemoryTierStats(
-                entries=len(self._entries),
-                used_bytes=self.arena.used_bytes,
-                capacity_bytes=self.arena.capacity_bytes,
-                evictions=self._evictions,
-                allocation_failures=self._allocation_failures,
-                pinned_objects=len(self._pins),
-                hits=self._hits,
-                misses=self._misses,
-            )
-
-    def clear(self) -> None:
-        """Drop every entry and pin (readers keep their references)."""
-        with self._lock:
-            for key, obj in list(self._entries.items()):
-                self._drop_pins_locked(key, obj)
-                obj.ref_down()
-            self._entries.clear()

@@ -21,6 +21,9 @@ stage and tier names through the registry; structure each table into its
 attrs config class with cattrs (unknown keys rejected); check the whole
 pipeline (stage kinds, item facets between neighbours, tier references,
 sizes). Each problem is a ``Diagnostic`` printed as ``FILE:LINE:COL: message``.
+
+The model itself (``Pipeline``, ``StageSpec``, ``TierSpec``, ``Diagnostic``,
+...) lives in ``flowkv.pipeline_model``; it is re-exported here.
 """
 
 from __future__ import annotations
@@ -31,174 +34,39 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
 
-from flowkv import registry
+from flowkv import pipeline_model, registry
 from flowkv._tomlpos import key_positions, locate
-from flowkv.registry import RegistryError, StageInfo, TierInfo, did_you_mean
+from flowkv.pipeline_model import (
+    Diagnostic,
+    LayerwiseSpec,
+    Location,
+    Pipeline,
+    PipelineError,
+    PipelineSection,
+    QualitySpec,
+    StageSpec,
+    TelemetrySpec,
+    TierGuardSpec,
+    TierSpec,
+    VllmSpec,
+)
+from flowkv.registry import RegistryError, did_you_mean
 from flowkv.sizes import parse_size
 
-# -- the model ----------------------------------------------------------------
-
-
-@attrs.frozen
-class Location:
-    """Where a thing was declared."""
-
-    file: str
-    line: int
-    col: int
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}:{self.col}"
-
-    @property
-    def short(self) -> str:
-        return f"{self.file}:{self.line}"
-
-
-@attrs.frozen
-class StageSpec:
-    """One ``[[store.stages]]`` (or retrieve/lookup) table, resolved and structured."""
-
-    use: str  # the name as written
-    info: StageInfo
-    config: Any  # instance of info.config_cls: every effective setting, defaults included
-    index: int  # position in its list
-    location: Location
-
-    @property
-    def name(self) -> str:
-        return self.info.name
-
-    def settings(self) -> dict[str, Any]:
-        return attrs.asdict(self.config, recurse=False)
-
-
-@attrs.frozen(kw_only=True)
-class TierGuardSpec:
-    """Keys every non-memory tier table accepts besides its kind's own."""
-
-    timeout_s: float = 1.0  # every call to the tier is cut off after this
-    backoff_max_s: float = 30.0  # a failed tier is retried after at most this long
-    write_queue: int = 256  # chunks held for write-behind (waiting or being written); more are dropped and counted
-
-
-@attrs.frozen
-class TierSpec:
-    """One ``[tiers.NAME]`` table."""
-
-    name: str
-    kind: str
-    info: TierInfo
-    config: Any  # instance of info.config_cls
-    location: Location
-    guard: TierGuardSpec = TierGuardSpec()
-
-
-@attrs.frozen
-class PipelineSection:
-    name: str = "unnamed"
-    chunk_size: int = 256
-    # Chunk hash function; "auto" is vLLM's sha256_cbor when vLLM imports, else sha256.
-    hash: str = "auto"
-    # Store the last chunk of a request even when it holds fewer than chunk_size tokens.
-    save_partial_chunks: bool = False
-    # Pins taken by lookup are dropped after this long if no retrieve comes.
-    pin_timeout_s: float = 30.0
-    description: str = ""
-
-
-@attrs.frozen
-class LayerwiseSpec:
-    enabled: bool = False
-
-
-@attrs.frozen
-class TelemetrySpec:
-    exporter: Literal["none", "console", "otlp", "file"] = "none"
-    endpoint: str | None = None  # otlp: e.g. "http://localhost:4317"
-    protocol: Literal["grpc", "http/protobuf"] = "grpc"
-    folder: str = "traces"  # file: where OTLP-JSON trace files go
-    sampling: float = 1.0  # fraction of runs traced
-    service_name: str = "flowkv"
-
-
-@attrs.frozen
-class VllmSpec:
-    """Settings the vLLM connector reads."""
-
-    save_decode: bool = False  # also store KV of generated tokens
-    lookup_timeout_ms: int = 200  # the scheduler answers 0 hits past this
-
-
-@attrs.frozen
-class QualitySpec:
-    """``[quality]``: the output quality a pipeline with lossy codecs must have shown.
-
-    With ``min_agreement`` set, the loader refuses the pipeline unless the
-    quality record at ``record`` (written by ``flowkv quality``; a path
-    relative to the pipeline file) measured every lossy codec of the store
-    list, with these parameters, at or above that greedy-token agreement.
-    Lossless-only pipelines pass without a record.
-    """
-
-    min_agreement: float | None = None  # 0..1, e.g. 0.95
-    record: str | None = None  # path to the quality record JSON
-
-
-@attrs.frozen
-class Pipeline:
-    """A loaded, checked pipeline set."""
-
-    name: str
-    source: str  # file path, or "<string>"
-    section: PipelineSection
-    tiers: dict[str, TierSpec]  # in declaration order = lookup order
-    store: tuple[StageSpec, ...]
-    retrieve: tuple[StageSpec, ...]
-    lookup: tuple[StageSpec, ...]
-    layerwise: LayerwiseSpec
-    telemetry: TelemetrySpec
-    vllm: VllmSpec
-    quality: QualitySpec = QualitySpec()
-
-    @property
-    def chunk_size(self) -> int:
-        return self.section.chunk_size
-
-    def stages(self, kind: str) -> tuple[StageSpec, ...]:
-        return {"store": self.store, "retrieve": self.retrieve, "lookup": self.lookup}[kind]
-
-
-# -- diagnostics --------------------------------------------------------------
-
-
-@attrs.frozen
-class Diagnostic:
-    file: str
-    line: int
-    col: int
-    message: str
-    # syntax, unknown-key, missing-key, invalid-value, unknown-stage, unknown-tier,
-    # module-not-found, attribute-not-found, misuse, duplicate, graph, quality
-    kind: str
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}:{self.col}: {self.message}"
-
-
-class PipelineError(ValueError):
-    """Every problem found in a pipeline file, one ``FILE:LINE:COL: message`` per line."""
-
-    def __init__(self, diagnostics: list[Diagnostic]) -> None:
-        self.diagnostics = sorted(diagnostics, key=lambda d: (d.file, d.line, d.col))
-        super().__init__("\n".join(str(d) for d in self.diagnostics))
-
+__all__ = [
+    *pipeline_model.__all__,
+    "builtin_pipelines",
+    "dumps_pipeline",
+    "load_pipeline",
+    "loads_pipeline",
+    "resolve_source",
+]
 
 # -- finding pipeline files ----------------------------------------------------
 
@@ -421,7 +289,7 @@ class _Loader:
         )
 
     def check_quality_gate(self, quality: QualitySpec, store: tuple[StageSpec, ...]) -> None:
-        from flowkv.quality import check_gate
+        from flowkv.quality_gate import check_gate
 
         for problem in check_gate(store, min_agreement=quality.min_agreement, record=quality.record,
                                   source=self.file):
@@ -509,7 +377,8 @@ class _Loader:
                     "unknown-tier" if exc.kind == "unknown" else exc.kind,
                 )
                 continue
-            guard_keys = [f.name for f in attrs.fields(TierGuardSpec)] if kind != "memory" else []
+            # Byte tiers run behind a health guard and a write-behind queue; object tiers (memory) do not.
+            guard_keys = [f.name for f in attrs.fields(TierGuardSpec)] if info.holds == "bytes" else []
             options = {k: v for k, v in table.items() if k != "kind" and k not in guard_keys}
             guard = self.structure_config(
                 {k: v for k, v in table.items() if k in guard_keys}, TierGuardSpec, path, what=f"tier '{name}'"
@@ -599,7 +468,7 @@ class _Loader:
             self.error(("telemetry", "exporter"),
                        "exporter 'otlp' needs an endpoint (e.g. endpoint = \"http://localhost:4317\")",
                        "missing-key")
-        memory_tiers = [name for name, spec in tiers.items() if spec.kind == "memory"]
+        memory_tiers = [name for name, spec in tiers.items() if spec.info.holds == "objects"]
         if tiers and len(memory_tiers) != 1:
             where = ("tiers", memory_tiers[1]) if memory_tiers else ("tiers",)
             self.error(where, f"declare exactly one tier of kind 'memory' (found {len(memory_tiers)}"
@@ -608,6 +477,8 @@ class _Loader:
         if "tiers" in raw and not raw["tiers"]:
             self.error(("tiers",), "declare at least one tier", "missing-key")
         for kind, specs in lists.items():
+            if kind == "lookup" and "lookup" not in raw:
+                continue  # the head of [[retrieve.stages]], checked (and reported) there
             self.check_list(kind, specs, tiers)
         layerwise = raw.get("layerwise", {})
         if isinstance(layerwise, dict) and layerwise.get("enabled") is True:

@@ -56,7 +56,7 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,17 @@ from flowkv import payload as payloads
 from flowkv.codecs import get_codec
 from flowkv.items import Chunk, RunContext
 from flowkv.pipeline import dumps_pipeline
+from flowkv.quality_gate import (
+    RECORD_FORMAT,
+    check_gate,
+    check_served_model,
+    codec_settings,
+    load_record,
+    record_path,
+)
+from flowkv.quality_gate import canonical_params as _canonical
+from flowkv.quality_gate import describe_codec as _describe
+from flowkv.quality_gate import model_digest as _model_digest
 from flowkv.registry import stage
 
 __all__ = [
@@ -78,156 +89,8 @@ __all__ = [
     "record_path",
 ]
 
-#: Version of the quality record's JSON layout.
-RECORD_FORMAT = 1
 # The request tag that picks a codec in a measurement run.
 _CODEC_TAG = "quality_codec"
-
-
-# -- the codecs a pipeline uses ---------------------------------------------------
-
-
-def _canonical(codec: str, params: Mapping[str, Any]) -> dict[str, Any]:
-    """Every parameter of `codec`, defaults filled in, as the payload header stores them."""
-    impl = get_codec(codec)
-    return impl.params_to_header(impl.resolve_params(**dict(params)))
-
-
-def codec_settings(store_stages: Sequence[Any]) -> list[tuple[str, dict[str, Any]]]:
-    """(codec, full parameters) of each ``compress`` stage of a store list, in order, without repeats.
-
-    `store_stages` are the loader's ``StageSpec``s. Stage settings other than
-    ``codec`` that are set (``level``) are the codec's parameters.
-    """
-    found: list[tuple[str, dict[str, Any]]] = []
-    for spec in store_stages:
-        if spec.name != "compress":
-            continue
-        settings = dict(spec.settings())
-        codec = settings.pop("codec", "none")
-        params = {k: v for k, v in settings.items() if v is not None}
-        entry = (codec, _canonical(codec, params))
-        if entry not in found:
-            found.append(entry)
-    return found
-
-
-def _lossy_codecs(store_stages: Sequence[Any]) -> list[tuple[str, dict[str, Any]]]:
-    """The entries of ``codec_settings`` whose codec is lossy: what the gate holds to a record."""
-    return [(c, p) for c, p in codec_settings(store_stages) if not get_codec(c).lossless]
-
-
-def _describe(codec: str, params: Mapping[str, Any]) -> str:
-    return codec + ("" if not params else " " + json.dumps(dict(params), sort_keys=True))
-
-
-# -- the record and the gate ----------------------------------------------------
-
-
-def load_record(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a quality record; ValueError saying what is wrong with it."""
-    try:
-        record = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ValueError(f"cannot read quality record {path}: {exc.strerror or exc}") from None
-    except ValueError as exc:
-        raise ValueError(f"quality record {path} is not JSON: {exc}") from None
-    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT or not isinstance(record.get("codecs"), list):
-        raise ValueError(f"{path} is not a flowkv quality record (format {RECORD_FORMAT}, with a 'codecs' list)")
-    for entry in record["codecs"]:
-        if not (isinstance(entry, dict) and isinstance(entry.get("codec"), str)
-                and isinstance(entry.get("params"), dict) and isinstance(entry.get("agreement"), (int, float))):
-            raise ValueError(f"quality record {path}: a codecs entry lacks codec, params or agreement: {entry!r}")
-    return record
-
-
-def record_path(record: str, source: str) -> Path:
-    """Where a ``[quality] record`` of the pipeline loaded from `source` is.
-
-    ``~`` is expanded; a relative path is taken from the pipeline file's
-    folder, or from the working directory for a pipeline loaded from a
-    string (`source` ``"<string>"``).
-    """
-    path = Path(record).expanduser()
-    if not path.is_absolute():
-        path = (Path(source).parent if source != "<string>" else Path.cwd()) / path
-    return path
-
-
-def check_gate(
-    store_stages: Sequence[Any],
-    *,
-    min_agreement: float,
-    record: str | None,
-    source: str,
-) -> list[str]:
-    """Why a pipeline with these store stages fails ``[quality] min_agreement``; empty when it passes.
-
-    Only lossy codecs are gated. `source` is the pipeline file (or
-    ``"<string>"``): `record` is found as ``record_path`` says.
-    """
-    if not 0.0 <= min_agreement <= 1.0:
-        return [f"[quality] min_agreement must be between 0 and 1, got {min_agreement}"]
-    try:
-        lossy = _lossy_codecs(store_stages)
-    except ValueError as exc:  # an unknown codec or parameter: nothing to look up in a record
-        return [f"[quality] cannot gate this pipeline's codecs: {exc}"]
-    if not lossy:
-        return []
-    names = ", ".join(_describe(c, p) for c, p in lossy)
-    if record is None:
-        return [f"[quality] min_agreement needs a measurement of lossy codec(s) {names}: set "
-                f"record = \"PATH\" to a record written by 'flowkv quality PIPELINE --out PATH'"]
-    path = record_path(record, source)
-    if not path.exists():
-        return [f"[quality] no quality record at {path} for lossy codec(s) {names}: "
-                f"write it with 'flowkv quality PIPELINE --out {path}'"]
-    try:
-        data = load_record(path)
-    except ValueError as exc:
-        return [f"[quality] {exc}"]
-    measured = {(e["codec"], json.dumps(e["params"], sort_keys=True)): e for e in data["codecs"]}
-    problems = []
-    for codec, params in lossy:
-        entry = measured.get((codec, json.dumps(params, sort_keys=True)))
-        if entry is None:
-            have = ", ".join(_describe(e["codec"], e["params"]) for e in data["codecs"]) or "nothing"
-            problems.append(f"[quality] record {path} has no measurement of {_describe(codec, params)} "
-                            f"(it measured: {have}); run 'flowkv quality' on this pipeline again")
-        elif entry["agreement"] < min_agreement:
-            problems.append(
-                f"[quality] {_describe(codec, params)} agreed with the uncompressed model on "
-                f"{entry['agreement']:.1%} of greedy tokens (record {path}, model {data.get('model', '?')}), "
-                f"below min_agreement {min_agreement:.1%}"
-            )
-    return problems
-
-
-def check_served_model(pipeline: Any, model: str) -> str | None:
-    """Whether the quality record a pipeline is gated by measured ``model``.
-
-    ``ValueError`` when the record measured another model (its config.json
-    differs): an agreement measured on one model says nothing of another.
-    Returns a warning when the served model cannot be checked (not a local
-    folder with a config.json); None when it matches or nothing is gated.
-    """
-    quality = pipeline.quality
-    if quality.min_agreement is None or quality.record is None:
-        return None
-    if not _lossy_codecs(pipeline.store):
-        return None
-    path = record_path(quality.record, pipeline.source)
-    record = load_record(path)
-    config = Path(model).expanduser() / "config.json"
-    if not config.is_file():
-        return (f"[quality] cannot check that record {path} measured the served model {model!r} "
-                f"(no local config.json); make sure it did")
-    if record.get("model_config_sha256") != _model_digest(config.parent):
-        raise ValueError(
-            f"[quality] record {path} measured model {record.get('model', '?')}, but vLLM serves {model} (config.json differs): "
-            f"its agreement does not hold for this model; run 'flowkv quality PIPELINE --model {model} --out {path}'"
-        )
-    return None
 
 
 # -- the measurement stage ----------------------------------------------------------
@@ -279,14 +142,9 @@ def _measurement_pipeline(folder: Path, chunk_size: int, codecs: list[tuple[str,
     return path
 
 
-def _model_digest(model: Path) -> str:
-    """sha256 of the model's config.json: tells records of different models apart."""
-    return hashlib.sha256((model / "config.json").read_bytes()).hexdigest()
-
-
 def prompt_set(tokenizer: Any, count: int, prompt_tokens: int) -> list[list[int]]:
     """The fixed prompts: standard-library source documents, each followed by one of the demo's questions."""
-    from flowkv.demo import QUESTIONS, documents
+    from flowkv.integration.harness import QUESTIONS, documents
 
     questions = [tokenizer.encode(q, add_special_tokens=False) for q in QUESTIONS]
     return [doc + questions[i % len(questions)] for i, doc in enumerate(documents(tokenizer, count, prompt_tokens))]
@@ -325,7 +183,7 @@ def measure(
     ``none`` is always measured first, as the control that shows what
     loading exact KV changes. Starts one vLLM (CPU or whatever vLLM finds).
     """
-    from flowkv.demo import build_llm, flowkv_config, kv_bytes_per_token, setup_environment, shutdown
+    from flowkv.integration.harness import build_llm, flowkv_config, kv_bytes_per_token, setup_environment, shutdown
 
     user_kv_space = "VLLM_CPU_KVCACHE_SPACE" in os.environ
     setup_environment()
@@ -469,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"flowkv quality: {model} is not a model folder (no config.json)", file=sys.stderr)
             return 2
     else:
-        from flowkv.demo import DEMO_MODEL, default_model_dir
+        from flowkv.integration.harness import DEMO_MODEL, default_model_dir
         from flowkv.testing import tiny_model
 
         model = tiny_model(default_model_dir(), **DEMO_MODEL)

@@ -44,7 +44,7 @@ BUILTIN_STAGES: dict[str, str] = {
 
 # Built-in tier kinds: name -> "module:attribute", imported lazily.
 BUILTIN_TIERS: dict[str, str] = {
-    "memory": "flowkv.stages.tiering:MemoryTierKind",
+    "memory": "flowkv.tiers.memory:MemoryTier",
     "disk": "flowkv.tiers.disk:DiskTier",
     "redis": "flowkv.tiers.redis:RedisTier",
 }
@@ -97,6 +97,9 @@ class TierInfo:
     cls: type
     config_cls: type
     origin: str
+    # "objects": host-memory objects kernels gather into and scatter from (memory);
+    # "bytes": encoded payloads behind a health guard (disk, redis, most user tiers).
+    holds: str = "bytes"
 
 
 def _config_from_signature(func: Callable[..., Any], where: str) -> type:
@@ -205,8 +208,15 @@ def tier(name: str, *, config: type) -> Callable[[type], type]:
             raise RegistryError(
                 f"tier '{name}' ({where}): config= must be an attrs class", kind="misuse"
             )
+        holds = getattr(cls, "holds", "bytes")
+        if holds not in ("bytes", "objects"):
+            raise RegistryError(
+                f"tier '{name}' ({where}): holds must be 'bytes' or 'objects' (subclass "
+                "flowkv.tiers.Tier or flowkv.tiers.ObjectTier)", kind="misuse"
+            )
         cls.__flowkv_tier__ = TierInfo(  # type: ignore[attr-defined]
-            name=name, cls=cls, config_cls=config, origin=f"{cls.__module__}.{cls.__qualname__} ({where})"
+            name=name, cls=cls, config_cls=config, origin=f"{cls.__module__}.{cls.__qualname__} ({where})",
+            holds=holds,
         )
         return cls
 

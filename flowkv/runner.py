@@ -26,7 +26,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from flowkv.items import RunContext
-from flowkv.pipeline import StageSpec
+from flowkv.pipeline_model import StageSpec
 
 _SUMMED = ("bytes", "chunks", "hit_tokens")
 

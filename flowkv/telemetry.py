@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace.export import (
 )
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
-from flowkv.pipeline import TelemetrySpec
+from flowkv.pipeline_model import TelemetrySpec
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from flowkv.items import Chunk, Request, RunContext
+from flowkv.items import Chunk, Request, RunContext, Services
 from flowkv.keys import chunk_spans
 from flowkv.registry import stage
 
@@ -23,9 +23,9 @@ def tokenize(requests: Iterator[Request], *, ctx: RunContext) -> Iterator[Chunk]
         [[store.stages]]
         use = "tokenize"
     """
-    engine = ctx.engine
-    size = engine.chunk_size
-    partial = ctx.kind != "store" or engine.save_partial_chunks
+    services = ctx.services
+    size = services.chunk_size
+    partial = ctx.kind != "store" or services.save_partial_chunks
     for request in requests:
         masked = request.masked
         spans = chunk_spans(request.num_tokens, size, save_partial=partial)
@@ -48,23 +48,23 @@ def chunk_hash(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
         [[store.stages]]
         use = "chunk-hash"
     """
-    engine = ctx.engine
+    services = ctx.services
     batch: list[Chunk] = []
     for chunk in chunks:
         if batch and chunk.request is not batch[0].request:
-            yield from _keyed(engine, batch)
+            yield from _keyed(services, batch)
             batch = []
         batch.append(chunk)
-    yield from _keyed(engine, batch)
+    yield from _keyed(services, batch)
 
 
-def _keyed(engine, chunks: list[Chunk]) -> Iterator[Chunk]:
+def _keyed(services: Services, chunks: list[Chunk]) -> Iterator[Chunk]:
     if not chunks:
         return
     spans = [(c.start, c.end) for c in chunks]
     if spans[0][0] != 0:
         raise ValueError(f"chunk-hash got chunks starting at token {spans[0][0]}; the chain starts at 0")
-    keys = engine.chunk_keys(chunks[0].request, spans)
+    keys = services.chunk_keys(chunks[0].request, spans)
     for chunk, key in zip(chunks, keys):
         chunk.key = key
         chunk.key_str = key.to_str()

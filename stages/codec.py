@@ -80,7 +80,8 @@ def decompress(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
         [[retrieve.stages]]
         use = "decompress"
     """
-    engine = ctx.engine
+    services = ctx.services
+    dtype = services.geometry.dtype
     for chunk in chunks:
         if chunk.skip or chunk.kv is not None:
             yield chunk
@@ -88,13 +89,12 @@ def decompress(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
         try:
             chunk.kv = payloads.decode(
                 chunk.payload,
-                expect_shape=engine.chunk_shape(chunk),
-                expect_dtype=engine.geometry.dtype,
+                expect_shape=services.chunk_shape(chunk.num_tokens),
+                expect_dtype=dtype,
             )
         except payloads.PayloadError as exc:
-            engine.discard_corrupt(chunk, exc)
-            request = chunk.request
-            request.failed_range = (chunk.start, max(request.hit_tokens or 0, chunk.end))
+            services.storage.discard(chunk.key_str, chunk.tier, exc)
+            chunk.request.fail_from(chunk)
             ctx.record(stopped=f"corrupt payload for chunk {chunk.index}: {exc}")
             return
         ctx.record(bytes=chunk.kv.nbytes)

@@ -1,38 +1,21 @@
 """Stages that talk to tiers: allocate and put on the store side, lookup and get on retrieve.
 
-Tiers are walked in the order the pipeline file declares them. The memory
-tier holds ``MemoryObj``s (raw KV, or an encoded payload when a codec ran
-before ``put``); slower tiers hold encoded payloads and are reached through
-the engine, which bounds every call and skips a tier that fails.
+They reach the tiers through ``ctx.services.storage`` (``flowkv.tiers.chain.StorageManager``),
+which walks them in the order the pipeline file declares them. What a stage
+may choose is its own option: which tiers ``put`` writes and ``lookup`` asks,
+whether ``lookup`` prefetches hits below memory, whether ``get`` promotes
+them. The memory tier holds objects (raw KV, or an encoded payload when a
+codec ran before ``put``); slower tiers hold encoded payloads behind their
+health guard, written behind so inference never waits for them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
-
-import attrs
 
 from flowkv.items import Chunk, RunContext
-from flowkv.registry import stage, tier
-
-
-@attrs.frozen(kw_only=True)
-class MemoryTierConfig:
-    """``[tiers.NAME] kind = "memory"``: a pre-allocated arena; each entry costs its bytes in 4 KiB pages."""
-
-    capacity: int = 1 << 30  # bytes; "4GiB" in the file
-    eviction: Literal["lru"] = "lru"
-    # Page-lock the arena when CUDA is present, for fast asynchronous copies.
-    pin_memory: bool = True
-    # Make the arena's pages resident before stores write them (flowkv/resident.py):
-    # "background" (after start), "now" (before the engine starts) or "off".
-    prefault: Literal["background", "now", "off"] = "background"
-
-
-@tier("memory", config=MemoryTierConfig)
-class MemoryTierKind:
-    """The memory tier's registry entry; the engine builds the arena from the KV geometry."""
+from flowkv.registry import stage
+from flowkv.tiers.chain import Entry
 
 
 @stage("allocate", kinds=("store",), needs={"key"}, gives={"buffer"})
@@ -48,19 +31,20 @@ def allocate(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
         [[store.stages]]
         use = "allocate"
     """
-    engine = ctx.engine
-    memory = engine.memory
+    services = ctx.services
+    storage = services.storage
+    geometry = services.geometry
     for chunk in chunks:
-        if chunk.skip or memory.contains(chunk.key_str):
+        if chunk.skip or storage.contains(chunk.key_str):
             continue
-        obj = memory.allocate(engine.geometry.chunk_shape(chunk.num_tokens), engine.geometry.dtype)
+        obj = storage.allocate(geometry.chunk_shape(chunk.num_tokens), geometry.dtype)
         if obj is None:
-            engine.count("store_backpressure_stops")
+            services.count("store_backpressure_stops")
             ctx.record(stopped="memory full")
             return
         ctx.defer(obj.ref_down)
         chunk.obj = obj
-        ctx.record(bytes=obj.nbytes, tier=engine.memory_name)
+        ctx.record(bytes=obj.nbytes, tier=storage.staging)
         yield chunk
 
 
@@ -69,8 +53,8 @@ def put(chunks: Iterator[Chunk], *, ctx: RunContext, tiers: list[str] | None = N
     """Store each chunk in the named tiers (default: all, in declaration order).
 
     The memory tier takes the chunk at once; slower tiers get its encoded
-    payload through the engine's bounded write-behind queue, so inference
-    never waits for a disk or a network.
+    payload through their bounded write-behind queue, so inference never
+    waits for a disk or a network.
 
     TOML::
 
@@ -78,15 +62,15 @@ def put(chunks: Iterator[Chunk], *, ctx: RunContext, tiers: list[str] | None = N
         use = "put"
         tiers = ["memory", "disk"]
     """
-    engine = ctx.engine
-    names = tiers or engine.tier_names
+    services = ctx.services
+    storage = services.storage
+    names = tiers or storage.order
     for chunk in chunks:
         for name in names:
-            if name == engine.memory_name:
-                nbytes = engine.put_memory(chunk)
-            else:
-                nbytes = engine.put_behind(name, chunk)
-            engine.count(f"tier.{name}.written_bytes", nbytes)
+            nbytes = storage.put(name, chunk.key_str, obj=chunk.obj, kv=chunk.kv, payload=chunk.payload)
+            if chunk.obj is not None and "codec" in chunk.obj.meta:
+                chunk.kv = None  # memory keeps the encoding in the chunk's own pages: the raw view is gone
+            services.count(f"tier.{name}.written_bytes", nbytes)
             ctx.record(bytes=nbytes, tier=name)
         yield chunk
         # Downstream stages (a later put for other tiers) are done with this chunk
@@ -105,10 +89,11 @@ def lookup(
 ) -> Iterator[Chunk]:
     """Find each chunk in the tiers and pass on the contiguous hit from chunk 0.
 
-    A chunk counts when any tier holds it; the first chunk no tier holds ends
-    the run. No payload is read. In a lookup with pinning on, memory hits are
-    pinned for the request's lookup id; with ``prefetch`` on, hits in slower
-    tiers start loading into memory at once so that retrieve only copies.
+    A chunk counts when any tier (of ``tiers``, default all) holds it; the
+    first chunk none holds ends the run. No payload is read. In a lookup with
+    pinning on, memory hits are pinned for the request's lookup id; with
+    ``prefetch`` on, hits in slower tiers start loading into memory at once
+    so that retrieve only copies.
 
     TOML::
 
@@ -117,14 +102,13 @@ def lookup(
         tiers = ["memory", "disk"]
         prefetch = true
     """
-    engine = ctx.engine
+    services = ctx.services
+    storage = services.storage
     pending = list(chunks)
     if not pending:
         return
     request = pending[0].request
-    found = engine.find(
-        [c.key_str for c in pending], skip=[c.skip for c in pending], tiers=tiers
-    )
+    found = storage.find([c.key_str for c in pending], skip=[c.skip for c in pending], tiers=tiers)
     hit: list[Chunk] = []
     for chunk, tier_name in zip(pending, found):
         if tier_name is None and not chunk.skip:
@@ -133,10 +117,14 @@ def lookup(
         hit.append(chunk)
     request.hit_tokens = hit[-1].end if hit else 0
     if ctx.kind == "lookup":
-        if request.pin and request.lookup_id is not None:
-            engine.pin([c.key_str for c in hit if c.tier == engine.memory_name], request.lookup_id)
-        if prefetch:
-            engine.prefetch([c for c in hit if c.tier not in (None, engine.memory_name)], request.lookup_id)
+        owner = request.lookup_id
+        if request.pin and owner is not None:
+            storage.pin([(c.key_str, c.tier) for c in hit], owner)
+        below = [c for c in hit if c.tier is not None and not storage.holds_objects(c.tier)]
+        if prefetch and below:
+            dtype = services.geometry.dtype
+            storage.prefetch([Entry(c.key_str, c.tier, services.chunk_shape(c.num_tokens), dtype)
+                              for c in below], owner)
     ctx.record(hit_tokens=request.hit_tokens - request.masked, chunks=len(hit))
     yield from hit
 
@@ -157,18 +145,29 @@ def get(chunks: Iterator[Chunk], *, ctx: RunContext, promote: bool = True) -> It
         use = "get"
         promote = true
     """
-    engine = ctx.engine
+    services = ctx.services
+    read = services.storage.read
+    chunk_shape = services.geometry.chunk_shape
+    dtype = services.geometry.dtype
     for chunk in chunks:
         if chunk.skip:
             yield chunk
             continue
-        if not engine.read(chunk, ctx, promote=promote):
-            request = chunk.request
-            request.failed_range = (chunk.start, max(request.hit_tokens or 0, chunk.end))
-            engine.count("retrieve_missing_chunks")
+        found = read(Entry(chunk.key_str, chunk.tier, chunk_shape(chunk.num_tokens), dtype), promote=promote)
+        if found is None:
+            chunk.request.fail_from(chunk)
+            services.count("retrieve_missing_chunks")
             ctx.record(stopped=f"chunk {chunk.index} gone from tier {chunk.tier}")
             return
+        if found.obj is not None:
+            ctx.defer(found.obj.ref_down)
+            chunk.obj = found.obj
+        chunk.tier = found.tier
+        if found.kv is not None:
+            chunk.kv = found.kv
+        else:
+            chunk.payload = found.payload
         nbytes = chunk.kv.nbytes if chunk.kv is not None else len(chunk.payload)
-        engine.count(f"tier.{chunk.tier}.read_bytes", nbytes)
+        services.count(f"tier.{chunk.tier}.read_bytes", nbytes)
         ctx.record(bytes=nbytes, tier=chunk.tier)
         yield chunk

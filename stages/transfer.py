@@ -20,18 +20,19 @@ def gather(chunks: Iterator[Chunk], *, ctx: RunContext, impl: str | None = None)
         [[store.stages]]
         use = "gather"
     """
-    engine = ctx.engine
+    geometry = ctx.services.geometry
+    staging = ctx.services.storage.staging
     layers = None if ctx.layer is None else [ctx.layer]
     probe = kernels.TransferProbe()  # page faults, CPU time, row length: why a transfer ran slow
     for chunk in chunks:
         request = chunk.request
         out = chunk.obj.tensor if layers is None else chunk.obj.tensor[ctx.layer : ctx.layer + 1]
         with probe:
-            kernels.gather(request.kv_caches, engine.geometry, request.slot_mapping[chunk.start:chunk.end],
+            kernels.gather(request.kv_caches, geometry, request.slot_mapping[chunk.start:chunk.end],
                            out, layers=layers, impl=impl)
         chunk.kv = chunk.obj.tensor
-        chunk.layers_done += 1 if layers else engine.geometry.num_layers
-        ctx.record(bytes=out.nbytes, tier=engine.memory_name, **probe.attributes())
+        chunk.layers_done += 1 if layers else geometry.num_layers
+        ctx.record(bytes=out.nbytes, tier=staging, **probe.attributes())
         yield chunk
 
 
@@ -44,7 +45,7 @@ def scatter(chunks: Iterator[Chunk], *, ctx: RunContext, impl: str | None = None
         [[retrieve.stages]]
         use = "scatter"
     """
-    engine = ctx.engine
+    geometry = ctx.services.geometry
     layers = None if ctx.layer is None else [ctx.layer]
     probe = kernels.TransferProbe()
     for chunk in chunks:
@@ -57,12 +58,12 @@ def scatter(chunks: Iterator[Chunk], *, ctx: RunContext, impl: str | None = None
         request = chunk.request
         kv = chunk.kv if layers is None else chunk.kv[ctx.layer : ctx.layer + 1]
         with probe:
-            kernels.scatter(kv, request.kv_caches, engine.geometry,
+            kernels.scatter(kv, request.kv_caches, geometry,
                             request.slot_mapping[chunk.start:chunk.end], layers=layers, impl=impl)
         if layers is None:
-            chunk.layers_done = engine.geometry.num_layers
+            chunk.layers_done = geometry.num_layers
             request.ret_mask[chunk.start:chunk.end] = True
-        else:  # the engine marks ret_mask once every layer of the chunk is in
+        else:  # the layerwise run marks ret_mask once every layer of the chunk is in
             chunk.layers_done += 1
         ctx.record(bytes=kv.nbytes, hit_tokens=chunk.num_tokens, tier=chunk.tier, **probe.attributes())
         yield chunk

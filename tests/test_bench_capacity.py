@@ -78,7 +78,7 @@ def test_int8_holds_more_documents_than_raw_in_the_same_disk(capsys):
 
 
 def test_kv_bytes_per_token_reads_the_model_config(tmp_path):
-    from flowkv.demo import kv_bytes_per_token
+    from flowkv.integration.harness import kv_bytes_per_token
 
     config = {"num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 4, "hidden_size": 1024}
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import flowkv
-from flowkv import CacheEngine, telemetry
+from flowkv import CacheEngine, KVTransfer, telemetry
 from flowkv.kernels import KVGeometry
 from flowkv.kernels.geometry import LAYOUTS, canonical_view
 from flowkv.otlp_json import load_spans
@@ -102,12 +102,14 @@ def test_round_trip_is_bitwise_for_every_layout_with_a_partial_last_chunk(layout
 
     assert e.store(ids, kv_caches=src, slot_mapping=slots) == NUM_TOKENS
     assert e.lookup(ids) == NUM_TOKENS
-    ret_mask = e.retrieve(ids, kv_caches=dst, slot_mapping=slots)
+    result = e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots))
+    ret_mask = result.ret_mask
 
     assert ret_mask.dtype == torch.bool and ret_mask.shape == (NUM_TOKENS,)
     assert ret_mask.all()
     assert_loaded_exactly(src, dst, g, slots, ret_mask)
-    assert e.last_failed_range is None
+    assert result.failed_range is None
+    assert result.loaded_to == NUM_TOKENS
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -248,6 +250,88 @@ def test_retrieve_with_a_mask_loads_only_after_the_masked_prefix():
     assert torch.equal(ret_mask, expected)
     assert_loaded_exactly(src, dst, g, slots, ret_mask)
     assert e.stats()["retrieved_tokens"] == 3 * CHUNK
+
+
+def request_kv(g: KVGeometry) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """A filled source cache, an empty destination, the tokens and their slots."""
+    src = make_paged_kv(g, NUM_BLOCKS, seed=1)
+    dst = make_paged_kv(g, NUM_BLOCKS, seed=2, fill=False)
+    return src, dst, tokens(), random_slot_mapping(NUM_TOKENS, g, NUM_BLOCKS, seed=3)
+
+
+def test_a_transfer_value_answers_result_objects_and_the_keywords_what_they_always_did():
+    g = geometry()
+    e = engine()
+    src, dst, ids, slots = request_kv(g)
+    mask = torch.zeros(NUM_TOKENS, dtype=torch.bool)
+    mask[:CHUNK] = True
+
+    stored = e.store(KVTransfer(tokens=ids, kv_caches=src, slot_mapping=slots))
+    assert stored == flowkv.StoreResult(4 * CHUNK)
+    assert e.store(ids, kv_caches=src, slot_mapping=slots) == 0  # keyword form: an int, as before
+    result = e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots, mask=mask))
+    assert isinstance(result, flowkv.RetrieveResult)
+    assert result.loaded_tokens == 3 * CHUNK and result.loaded_to == 4 * CHUNK and result.failed_range is None
+    # Where a load of [start, end) got to: clamped to the window.
+    assert result.loaded_within(CHUNK + 5, NUM_TOKENS) == 4 * CHUNK
+    assert result.loaded_within(CHUNK + 5, 2 * CHUNK) == 2 * CHUNK
+    assert result.loaded_within(4 * CHUNK + 10, NUM_TOKENS) == 4 * CHUNK + 10
+    keyword_mask = e.retrieve(tokens=ids, kv_caches=dst, slot_mapping=slots, mask=mask)
+    assert torch.equal(keyword_mask, result.ret_mask)
+    with pytest.raises(TypeError, match="KVTransfer carries"):
+        e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots), mask=mask)
+
+
+def test_each_call_keeps_its_own_result():
+    g = geometry()
+    e = engine()
+    src, dst, ids, slots = request_kv(g)
+    e.store(ids, kv_caches=src, slot_mapping=slots)
+    keys = [k.to_str() for k in e.chunk_keys(flowkv.Request(tokens=ids))]
+    e.lookup(ids)
+    assert e.memory.remove(keys[2])
+    short = e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots))
+    whole = e.retrieve(KVTransfer(tokens=ids[: 2 * CHUNK], kv_caches=dst, slot_mapping=slots))
+    assert whole.failed_range is None and whole.loaded_to == 2 * CHUNK
+    assert short.loaded_to == 2 * CHUNK
+    assert not hasattr(e, "last_failed_range")
+
+
+def test_the_failed_range_runs_from_the_earliest_failed_chunk_to_the_end_of_the_hit():
+    request = flowkv.Request(tokens=torch.arange(5 * CHUNK))
+    request.hit_tokens = 4 * CHUNK
+    chunk = lambda i: flowkv.Chunk(request=request, index=i, start=i * CHUNK, end=(i + 1) * CHUNK)  # noqa: E731
+    request.fail_from(chunk(3))
+    assert request.failed_range == (3 * CHUNK, 4 * CHUNK)
+    request.fail_from(chunk(1))  # an earlier chunk moves the start back
+    request.fail_from(chunk(2))  # a later one does not
+    assert request.failed_range == (CHUNK, 4 * CHUNK)
+    request.fail_from(chunk(4))  # past the hit: the range ends at the chunk's own end
+    assert request.failed_range == (CHUNK, 4 * CHUNK)
+
+
+@flowkv.stage("old-style-evict", kinds=("retrieve",), needs={"hit"}, gives={"hit"})
+def old_style_evict(chunks, *, ctx):
+    """A stage written against ``ctx.engine`` before ``ctx.services``."""
+    for chunk in chunks:
+        if chunk.index == 1:
+            ctx.engine.memory.remove(chunk.key_str)
+        yield chunk
+
+
+def test_stages_that_still_use_ctx_engine_keep_working_with_a_warning(tmp_path):
+    text = (flowkv.pipeline.resolve_source("local-cpu").read_text()
+            .replace('use = "lookup"\n', f'use = "lookup"\n\n[[retrieve.stages]]\nuse = "{__name__}:old_style_evict"\n'))
+    assert "old_style_evict" in text
+    path = tmp_path / "old.toml"
+    path.write_text(text)
+    g = geometry()
+    e = engine(str(path))
+    src, dst, ids, slots = request_kv(g)
+    e.store(ids, kv_caches=src, slot_mapping=slots)
+    with pytest.warns(DeprecationWarning, match="ctx.services"):
+        result = e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots))
+    assert result.loaded_to == CHUNK and result.failed_range == (CHUNK, 4 * CHUNK)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flowkv
-from flowkv import CacheEngine
+from flowkv import CacheEngine, KVTransfer
 from flowkv.kernels import KVGeometry
 from flowkv.kernels.geometry import canonical_view
 from flowkv.pipeline import resolve_source
@@ -45,7 +45,7 @@ def evict_after_lookup(chunks, *, ctx, index: int = 2):
     """Drops chunk ``index`` from memory after lookup found it: an eviction racing the retrieve."""
     for chunk in chunks:
         if chunk.index == index:
-            ctx.engine.memory.remove(chunk.key_str)
+            ctx.services.storage.remove(chunk.key_str)
         yield chunk
 
 
@@ -104,10 +104,12 @@ def test_a_corrupt_payload_in_memory_is_a_counted_miss_and_never_loaded(where):
 
     # Lookup reads no payload: it cannot know, and promises all four chunks.
     assert e.lookup(ids) == NUM_TOKENS
-    ret_mask = e.retrieve(ids, kv_caches=dst, slot_mapping=slots)
+    result = e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots))
+    ret_mask = result.ret_mask
 
     assert int(ret_mask.sum()) == CHUNK and ret_mask[:CHUNK].all()
-    assert e.last_failed_range == (CHUNK, NUM_TOKENS)
+    assert result.failed_range == (CHUNK, NUM_TOKENS)
+    assert result.loaded_to == CHUNK
     assert torch.equal(slot_values(dst, slots[:CHUNK]), slot_values(src, slots[:CHUNK]))
     assert not slot_values(dst, slots[CHUNK:]).any(), "nothing of the corrupt chunk or after it was written"
     stats = e.stats()
@@ -118,8 +120,9 @@ def test_a_corrupt_payload_in_memory_is_a_counted_miss_and_never_loaded(where):
     assert e.is_healthy(), "bad data is a miss, not an engine failure"
     # A retrieve that does no work (a closed engine skips it) leaves no failed range of an earlier one.
     e.close()
-    assert not e.retrieve(ids, kv_caches=dst, slot_mapping=slots).any()
-    assert e.last_failed_range is None
+    skipped = e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots))
+    assert not skipped.ret_mask.any()
+    assert skipped.failed_range is None
 
 
 def test_a_chunk_evicted_after_lookup_shrinks_the_mask_and_names_the_range(tmp_path):
@@ -131,16 +134,17 @@ def test_a_chunk_evicted_after_lookup_shrinks_the_mask_and_names_the_range(tmp_p
     slots = random_slot_mapping(NUM_TOKENS, GEOMETRY, NUM_BLOCKS, seed=3)
     e.store(ids, kv_caches=src, slot_mapping=slots)
 
-    ret_mask = e.retrieve(ids, kv_caches=dst, slot_mapping=slots)
+    result = e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots))
+    ret_mask = result.ret_mask
     assert int(ret_mask.sum()) == 2 * CHUNK and ret_mask[: 2 * CHUNK].all()
-    assert e.last_failed_range == (2 * CHUNK, NUM_TOKENS)
+    assert result.failed_range == (2 * CHUNK, NUM_TOKENS)
     assert not slot_values(dst, slots[2 * CHUNK :]).any()
     assert e.stats()["retrieve_missing_chunks"] == 1
 
     # The next retrieve finds chunk 3 orphaned behind the hole: it loads chunks 0-1 and fails nothing.
-    ret_mask = e.retrieve(ids, kv_caches=dst, slot_mapping=slots)
-    assert int(ret_mask.sum()) == 2 * CHUNK
-    assert e.last_failed_range is None
+    result = e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots))
+    assert int(result.ret_mask.sum()) == 2 * CHUNK
+    assert result.failed_range is None
 
 
 # -- failing stages ------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flowkv
-from flowkv import CacheEngine, telemetry
+from flowkv import CacheEngine, KVTransfer, telemetry
 from flowkv.items import Chunk, RunContext
 from flowkv.kernels import KVGeometry, gather
 from flowkv.otlp_json import load_spans
@@ -59,6 +59,7 @@ def test_layerwise_round_trip_equals_whole_request(layout: str) -> None:
     for layer in range(g.num_layers):
         handle.layer_ready(layer)
     assert handle.finish() == 5 * CHUNK
+    assert handle.result.stored_tokens == 5 * CHUNK
     assert whole.store(tokens, kv_caches=src, slot_mapping=slots) == 5 * CHUNK
 
     dst_layerwise = make_paged_kv(g, BLOCKS, seed=9, fill=False)
@@ -67,6 +68,8 @@ def test_layerwise_round_trip_equals_whole_request(layout: str) -> None:
     for layer in range(g.num_layers):
         retrieve.wait(layer)
     mask_layerwise = retrieve.finish()
+    assert retrieve.found_to == retrieve.result.loaded_to == 5 * CHUNK
+    assert torch.equal(retrieve.result.ret_mask, mask_layerwise)
     mask_whole = whole.retrieve(tokens, kv_caches=dst_whole, slot_mapping=slots)
 
     assert torch.equal(mask_layerwise, mask_whole)
@@ -116,11 +119,13 @@ def test_missing_layer_of_one_chunk_shrinks_the_mask_there(tmp_path) -> None:
     engine.store(tokens, kv_caches=src, slot_mapping=slots)
     assert engine.lookup(tokens) == 5 * CHUNK
 
-    mask = engine.retrieve(tokens, kv_caches=dst, slot_mapping=slots)
+    result = engine.retrieve(KVTransfer(tokens=tokens, kv_caches=dst, slot_mapping=slots))
+    mask = result.ret_mask
 
     assert int(mask.sum()) == 2 * CHUNK  # chunks 0 and 1; chunk 2 lacks a layer, so it and all after are out
     assert bool(mask[: 2 * CHUNK].all())
-    assert engine.last_failed_range == (2 * CHUNK, 5 * CHUNK)
+    assert result.failed_range == (2 * CHUNK, 5 * CHUNK)
+    assert result.loaded_to == 2 * CHUNK
 
 
 def test_layerwise_store_keeps_only_chunks_with_every_layer() -> None:

@@ -1,4 +1,4 @@
-"""The memory tier (flowkv.memory): arena, objects, LRU tier, pins, sizes."""
+"""The memory tier: arena and objects (flowkv.memory), LRU tier and pins (flowkv.tiers.memory), sizes."""
 
 from __future__ import annotations
 
@@ -8,14 +8,15 @@ import threading
 import pytest
 import torch
 
-from flowkv.memory import MemoryArena, MemoryTier, parse_size
+from flowkv.memory import MemoryArena, parse_size
+from flowkv.tiers.memory import MemoryTier
 
 SLAB = 4096
 CHUNK_SHAPE = (2, 2, 16, 2, 8)  # (layers, kv, tokens, heads, head_size), float32 -> 4 KiB
 
 
 def make_tier(num_slabs: int) -> MemoryTier:
-    return MemoryTier(MemoryArena(num_slabs * SLAB, slab_bytes=SLAB))
+    return MemoryTier.on_arena(MemoryArena(num_slabs * SLAB, slab_bytes=SLAB))
 
 
 def store(tier: MemoryTier, key: str, fill: float = 0.0) -> None:
@@ -128,7 +129,7 @@ def test_fragmented_arena_refuses_an_object_longer_than_any_free_run():
 
 
 def test_tier_evicts_until_one_run_is_long_enough():
-    tier = MemoryTier(MemoryArena(2 * SLAB, slab_bytes=SLAB, page_bytes=1024))
+    tier = MemoryTier.on_arena(MemoryArena(2 * SLAB, slab_bytes=SLAB, page_bytes=1024))
     for i in range(8):
         obj = tier.allocate((1024,), torch.uint8)
         assert tier.put(f"k{i}", obj)

@@ -9,7 +9,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from flowkv import CacheEngine
-from flowkv.integration.metrics import FlowKVPromMetrics, FlowKVStats, snapshot
+from flowkv.integration.vllm.metrics import FlowKVPromMetrics, FlowKVStats, snapshot
 from flowkv.kernels import KVGeometry
 from flowkv.testing import make_paged_kv, random_slot_mapping
 

@@ -231,6 +231,85 @@ ONE_MISTAKE = [
         """,
         "unknown-tier", 22, "tier 'dsik' is not declared", "did you mean 'disk'?",
     ),
+    # Tier policy is stage options: each one checked where it is written.
+    mistake(
+        "lookup-asking-an-undeclared-tier",
+        """
+        [tiers.memory]
+        kind = "memory"
+
+        [[retrieve.stages]]
+        use = "tokenize"
+
+        [[retrieve.stages]]
+        use = "chunk-hash"
+
+        [[retrieve.stages]]
+        use = "lookup"
+        tiers = ["memroy"]
+        """,
+        "unknown-tier", 12, "stage 'lookup': tier 'memroy' is not declared", "did you mean 'memory'?",
+    ),
+    mistake(
+        "get-promote-is-a-bool",
+        """
+        [tiers.memory]
+        kind = "memory"
+
+        [[retrieve.stages]]
+        use = "tokenize"
+
+        [[retrieve.stages]]
+        use = "chunk-hash"
+
+        [[retrieve.stages]]
+        use = "lookup"
+
+        [[retrieve.stages]]
+        use = "get"
+        promote = "yes"
+        """,
+        "invalid-value", 15, "stage 'get' promote", "expected bool",
+    ),
+    mistake(
+        "lookup-prefetch-is-a-bool",
+        """
+        [tiers.memory]
+        kind = "memory"
+
+        [[retrieve.stages]]
+        use = "tokenize"
+
+        [[retrieve.stages]]
+        use = "chunk-hash"
+
+        [[retrieve.stages]]
+        use = "lookup"
+        prefetch = 1
+        """,
+        "invalid-value", 12, "stage 'lookup' prefetch", "expected bool",
+    ),
+    mistake(
+        "misspelled-tier-policy-option",
+        """
+        [tiers.memory]
+        kind = "memory"
+
+        [[retrieve.stages]]
+        use = "tokenize"
+
+        [[retrieve.stages]]
+        use = "chunk-hash"
+
+        [[retrieve.stages]]
+        use = "lookup"
+
+        [[retrieve.stages]]
+        use = "get"
+        promte = false
+        """,
+        "unknown-key", 15, "did you mean 'promote'?",
+    ),
     *(
         mistake(f"bad-size-{size}", f'[tiers.memory]\nkind = "memory"\ncapacity = "{size}"\n',
                 "invalid-value", 3, "capacity", "invalid size")

@@ -140,7 +140,7 @@ def test_gate_can_be_skipped_to_write_the_record(tmp_path):
 
 
 def test_shipped_tiered_pipeline_is_raw_in_memory_and_int8_on_disk():
-    from flowkv.quality import codec_settings
+    from flowkv.quality_gate import codec_settings
 
     pipeline = load_pipeline("cpu-disk-int8")
     assert codec_settings(pipeline.store) == [("int8", INT8_PARAMS)]
@@ -279,7 +279,7 @@ def test_cpu_disk_int8_serves_exact_kv_from_memory_and_int8_kv_from_disk(tmp_pat
 
 def test_shipped_lossless_tiered_pipeline_loads_under_any_gate():
     """cpu-disk-zstd: raw memory, zstd-shuffle on disk; lossless, so a gate needs no record."""
-    from flowkv.quality import codec_settings
+    from flowkv.quality_gate import codec_settings
 
     pipeline = load_pipeline("cpu-disk-zstd", overrides={"quality.min_agreement": 1.0})
     assert codec_settings(pipeline.store) == [("zstd-shuffle", {"level": 1})]
@@ -295,15 +295,15 @@ def model_folder(folder: Path, hidden_size: int) -> Path:
 
 
 def gated_pipeline_of(tmp_path: Path, measured: Path):
-    from flowkv.quality import _model_digest
+    from flowkv.quality_gate import model_digest
 
     rec = record([("int8", INT8_PARAMS, 0.95)], model=str(measured))
-    rec["model_config_sha256"] = _model_digest(measured)
+    rec["model_config_sha256"] = model_digest(measured)
     return load_pipeline(write(tmp_path, pipeline_text("int8", quality=GATE), rec))
 
 
 def test_a_record_of_another_model_is_refused_for_the_served_one(tmp_path):
-    from flowkv.quality import check_served_model
+    from flowkv.quality_gate import check_served_model
 
     measured = model_folder(tmp_path / "measured", 64)
     other = model_folder(tmp_path / "other", 128)
@@ -314,7 +314,7 @@ def test_a_record_of_another_model_is_refused_for_the_served_one(tmp_path):
 
 
 def test_a_served_model_without_a_local_config_is_a_warning(tmp_path):
-    from flowkv.quality import check_served_model
+    from flowkv.quality_gate import check_served_model
 
     pipeline = gated_pipeline_of(tmp_path, model_folder(tmp_path / "measured", 64))
     warning = check_served_model(pipeline, "some-org/hub-model")
@@ -322,7 +322,7 @@ def test_a_served_model_without_a_local_config_is_a_warning(tmp_path):
 
 
 def test_ungated_or_lossless_pipelines_check_no_model(tmp_path):
-    from flowkv.quality import check_served_model
+    from flowkv.quality_gate import check_served_model
 
     assert check_served_model(load_pipeline(write(tmp_path, pipeline_text("int8"))), "anything") is None
     lossless = load_pipeline(write(tmp_path, pipeline_text("zstd", quality=GATE), record([("int8", INT8_PARAMS, 0.9)])))
@@ -330,7 +330,7 @@ def test_ungated_or_lossless_pipelines_check_no_model(tmp_path):
 
 
 def test_record_path_is_taken_from_the_pipeline_files_folder(tmp_path, monkeypatch):
-    from flowkv.quality import record_path
+    from flowkv.quality_gate import record_path
 
     assert record_path("q.json", str(tmp_path / "p.toml")) == tmp_path / "q.json"
     assert record_path("/abs/q.json", str(tmp_path / "p.toml")) == Path("/abs/q.json")

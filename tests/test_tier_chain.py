@@ -20,7 +20,7 @@ import pytest
 import redis
 import torch
 
-from flowkv import CacheEngine
+from flowkv import CacheEngine, KVTransfer
 from flowkv.items import Request
 from flowkv.kernels import KVGeometry, gather
 from flowkv.tiers.disk import key_digest
@@ -85,6 +85,10 @@ class Workload:
 
     def retrieve(self, engine: CacheEngine, **kwargs: object) -> torch.Tensor:
         return engine.retrieve(self.tokens, kv_caches=self.dst, slot_mapping=self.slots, **kwargs)
+
+    def transfer(self, **kwargs: object) -> KVTransfer:
+        """This request's retrieve as a value (``engine.retrieve(it)`` answers a RetrieveResult)."""
+        return KVTransfer(tokens=self.tokens, kv_caches=self.dst, slot_mapping=self.slots, **kwargs)
 
     def keys(self, engine: CacheEngine) -> list[str]:
         """The tier keys of this request's chunks, as the engine computes them."""

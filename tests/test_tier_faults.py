@@ -178,8 +178,9 @@ def test_damaged_disk_file_is_a_miss(damage, tmp_path):
     engine = make_engine("cpu-disk", disk=disk)
     try:
         # The disk index knows the file, so lookup promises it; reading it finds the damage.
-        work.assert_loaded(work.retrieve(engine), CHUNK)
-        assert engine.last_failed_range == (CHUNK, NUM_TOKENS)
+        result = engine.retrieve(work.transfer())
+        work.assert_loaded(result.ret_mask, CHUNK)
+        assert result.failed_range == (CHUNK, NUM_TOKENS)
         assert tier_stats(engine, "disk")["corrupt"] == 1
         assert not engine.memory.contains(keys[1])
         assert not path.exists()  # removed, so it is not promised again
@@ -201,8 +202,9 @@ def test_damaged_redis_value_is_a_miss(damage, redis_server):  # noqa: F811
         stored = redis_key(engine, keys[1])
         client.set(stored, DAMAGE[damage](client.get(stored)))
 
-        work.assert_loaded(work.retrieve(engine), CHUNK)
-        assert engine.last_failed_range == (CHUNK, NUM_TOKENS)
+        result = engine.retrieve(work.transfer())
+        work.assert_loaded(result.ret_mask, CHUNK)
+        assert result.failed_range == (CHUNK, NUM_TOKENS)
         assert tier_stats(engine, "redis")["corrupt"] == 1
         assert engine.stats()["retrieve_missing_chunks"] == 1
         assert not engine.memory.contains(keys[1])

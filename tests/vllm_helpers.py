@@ -42,13 +42,14 @@ def make_llm(
     kv_cache_blocks: int = 512,
     max_model_len: int = 4096,
     max_num_batched_tokens: int | None = None,
+    connector: tuple[str, str] = ("FlowKVConnector", "flowkv.integration.vllm"),
     **llm_kwargs: Any,
 ):
     """A ``vllm.LLM`` on the tiny model with flowkv as its KV connector.
 
     Prefix caching is off unless asked for, so ``RequestOutput.num_cached_tokens``
     counts exactly the tokens flowkv loaded. ``kv_cache_blocks`` sizes vLLM's
-    KV pool in blocks.
+    KV pool in blocks. ``connector`` is the connector's (class name, module).
     """
     if max_num_batched_tokens is not None:
         llm_kwargs["max_num_batched_tokens"] = max_num_batched_tokens
@@ -56,13 +57,14 @@ def make_llm(
     # vLLM's CPU platform lets this variable override kv_cache_memory_bytes.
     saved_space = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     try:
-        return _make_llm(extra_config, kv_cache_blocks * KV_BYTES_PER_BLOCK, max_model_len, llm_kwargs)
+        return _make_llm(extra_config, kv_cache_blocks * KV_BYTES_PER_BLOCK, max_model_len, connector, llm_kwargs)
     finally:
         if saved_space is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved_space
 
 
-def _make_llm(extra_config: dict[str, Any], kv_bytes: int, max_model_len: int, llm_kwargs: dict[str, Any]):
+def _make_llm(extra_config: dict[str, Any], kv_bytes: int, max_model_len: int, connector: tuple[str, str],
+              llm_kwargs: dict[str, Any]):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -74,8 +76,8 @@ def _make_llm(extra_config: dict[str, Any], kv_bytes: int, max_model_len: int, l
         seed=0,
         kv_cache_memory_bytes=kv_bytes,
         kv_transfer_config=KVTransferConfig(
-            kv_connector="FlowKVConnector",
-            kv_connector_module_path="flowkv.integration.vllm",
+            kv_connector=connector[0],
+            kv_connector_module_path=connector[1],
             kv_role="kv_both",
             kv_connector_extra_config=extra_config,
         ),
@@ -174,7 +176,7 @@ def evict_chunk(chunks: Iterator[Chunk], *, ctx) -> Iterator[Chunk]:
     for chunk in chunks:
         target = chunk.request.tags.get(EVICT_TAG)
         if target is not None and chunk.index == int(target) and chunk.key_str is not None:
-            ctx.engine.memory.remove(chunk.key_str)
+            ctx.services.storage.remove(chunk.key_str)
         yield chunk
 
 

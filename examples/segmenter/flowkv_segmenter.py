@@ -63,9 +63,9 @@ def segment(
     """
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-    keep_open_tail = ctx.kind != "store" or ctx.engine.save_partial_chunks
+    keep_open_tail = ctx.kind != "store" or ctx.services.save_partial_chunks
     # A chunk must fit the largest memory object, which holds chunk_size tokens.
-    limit = min(max_tokens, ctx.engine.chunk_size)
+    limit = min(max_tokens, ctx.services.chunk_size)
     for request in requests:
         tokens = request.tokens.tolist()
         ends = boundaries(tokens, list(separator), limit)

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flowkv.demo import (
+from flowkv.integration.harness import (
     DEMO_MODEL,
     QUESTIONS,
     build_llm,
@@ -133,7 +133,7 @@ def _wait_written(llm: Any, timeout_s: float = 120.0) -> dict[str, Any]:
 
 def _one_codec(model: Path, docs: list[list[int]], questions: list[list[int]], *, codec: str,
                params: dict[str, Any], folder: Path, args: argparse.Namespace, disk_capacity: int) -> dict[str, Any]:
-    from flowkv.demo import time_to_first_token
+    from flowkv.integration.harness import time_to_first_token
 
     per_token = kv_bytes_per_token(model)
     disk_path = folder / f"disk-{codec}"
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     setup_environment()
     from transformers import AutoTokenizer
 
-    from flowkv.demo import documents
+    from flowkv.integration.harness import documents
     from flowkv.testing import tiny_model
 
     model = tiny_model(args.model_dir, **DEMO_MODEL)

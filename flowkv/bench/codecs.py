@@ -4,7 +4,7 @@ Each codec encodes and decodes the same chunk tensor through
 `flowkv.payload` (header and checksums included, as a tier sees it). The
 ``none`` codec is measured in the same run and every ratio is against it.
 
-Input, by default: the KV that the demo model (``flowkv.demo.DEMO_MODEL``,
+Input, by default: the KV that the demo model (``flowkv.integration.harness.DEMO_MODEL``,
 built locally by ``flowkv.testing.tiny_model``) computes with transformers
 on CPU for real text (Python standard-library sources read from this
 machine), cut into chunks of ``--tokens`` tokens as the cache stores them.
@@ -131,8 +131,8 @@ def model_kv(
     os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from flowkv.demo import DEMO_MODEL, default_model_dir
-    from flowkv.demo import documents as read_documents
+    from flowkv.integration.harness import DEMO_MODEL, default_model_dir
+    from flowkv.integration.harness import documents as read_documents
     from flowkv.testing import tiny_model
 
     if chunk_tokens <= 0 or doc_tokens <= 0 or documents <= 0:

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from flowkv.demo import DEMO_MODEL, build_llm, default_model_dir, flowkv_config, setup_environment, shutdown
+from flowkv.integration.harness import DEMO_MODEL, build_llm, default_model_dir, flowkv_config, setup_environment, shutdown
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
 # Positions past the longest prompt in max_model_len: the generated token's.
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"flowkv bench ttft: {exc}", file=sys.stderr)
         return 2
     setup_environment()
-    from flowkv.demo import time_to_first_token
+    from flowkv.integration.harness import time_to_first_token
     from flowkv.testing import tiny_model
 
     model = tiny_model(args.model_dir, **DEMO_MODEL)

@@ -1,28 +1,56 @@
-"""Slow storage tiers: local disk and Redis/Valkey, behind a health guard.
+"""Storage tiers, the storage manager that orders them, and the tier contract.
 
-The memory tier lives in :mod:`flowkv.memory`; the tiers here move encoded
-payloads (bytes carrying the :mod:`flowkv.payload` header) and run as
-``async`` methods on the engine's anyio portal thread (:mod:`flowkv.tiers.portal`),
-so slow I/O never runs on the inference thread.
-
-- :class:`Tier` — the contract a tier implements (yours too).
-- :class:`GuardedTier` — timeouts, failure counting and back-off around any tier.
+- :class:`Tier` (a byte tier) and :class:`ObjectTier` — the contract a tier
+  implements, yours too (:mod:`flowkv.tiers.base`).
+- :class:`StorageManager` — the ordered tiers and the policies between them
+  (:mod:`flowkv.tiers.chain`).
+- :class:`MemoryTier` — chunks in a host arena (:mod:`flowkv.tiers.memory`).
+- :class:`GuardedTier` — timeouts, failure counting and back-off around a byte tier.
 - :class:`DiskTier` / :class:`DiskTierConfig` — one file per chunk, LRU by bytes.
 - :class:`RedisTier` / :class:`RedisTierConfig` — Redis/Valkey, standalone or cluster.
+
+Byte tiers run as ``async`` methods on the engine's anyio portal thread
+(:mod:`flowkv.tiers.portal`), so slow I/O never runs on the inference thread.
 """
 
-from flowkv.tiers.base import Tier, verify_payload
-from flowkv.tiers.disk import DiskTier, DiskTierConfig
+from typing import Any
+
+from flowkv.tiers.base import ByteTier, ObjectTier, Tier, TierObject, verify_payload
 from flowkv.tiers.health import GuardedTier, TierHealth
-from flowkv.tiers.redis import RedisTier, RedisTierConfig
 
 __all__ = [
+    "ByteTier",
     "DiskTier",
     "DiskTierConfig",
     "GuardedTier",
+    "MemoryTier",
+    "MemoryTierConfig",
+    "ObjectTier",
     "RedisTier",
     "RedisTierConfig",
+    "StorageManager",
     "Tier",
     "TierHealth",
+    "TierObject",
     "verify_payload",
 ]
+
+# Tier kinds and the manager import their dependencies (redis, torch) only when asked for.
+_LAZY = {
+    "DiskTier": "flowkv.tiers.disk",
+    "DiskTierConfig": "flowkv.tiers.disk",
+    "RedisTier": "flowkv.tiers.redis",
+    "RedisTierConfig": "flowkv.tiers.redis",
+    "MemoryTier": "flowkv.tiers.memory",
+    "MemoryTierConfig": "flowkv.tiers.memory",
+    "StorageManager": "flowkv.tiers.chain",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flowkv.tiers' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

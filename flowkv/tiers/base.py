@@ -1,25 +1,36 @@
-"""The tier contract: what a slow storage tier implements.
+"""The tier contract: what a storage tier implements, memory and yours alike.
 
-A tier stores encoded chunk payloads under printable string keys
-(``CacheKey.to_str()``, e.g. ``"model/1.0/bfloat16/fp/tags/3f9a..."``). Keys are
-opaque to a tier: they may contain ``/`` and any other printable character, so a
-tier maps them to its own names (file names, namespaced Redis keys) safely.
+A tier kind is a class registered with ``@flowkv.tier(KIND, config=ConfigCls)``
+and built from its ``[tiers.NAME]`` table as ``Cls(name=NAME, config=cfg)``
+by the storage manager (:mod:`flowkv.tiers.chain`), the one place that knows
+the tiers' order. Keys are printable strings (``CacheKey.to_str()``, e.g.
+``"model/1.0/bfloat16/fp/tags/3f9a..."``), opaque to a tier: they may contain
+``/`` and any other printable character, so a tier maps them to its own names
+(file names, namespaced Redis keys) safely. A tier is one of two sorts:
 
-Every method is ``async`` and runs on the engine's anyio portal thread
-(:mod:`flowkv.tiers.portal`). Blocking work (file I/O, checksums of large
-payloads) goes to a worker thread with ``anyio.to_thread.run_sync`` so one slow
-tier does not hold up the others sharing that loop.
+- a **byte tier** (:class:`Tier`; disk, Redis, a user's S3 or SQLite tier)
+  stores encoded payloads (bytes with the :mod:`flowkv.payload` header). Its
+  methods are ``async`` and run on the engine's anyio portal thread
+  (:mod:`flowkv.tiers.portal`), each wrapped in a health guard
+  (:class:`flowkv.tiers.GuardedTier`) and written behind a bounded queue, so
+  a slow or failing tier never stalls inference. Blocking work (file I/O,
+  checksums of large payloads) goes to ``anyio.to_thread.run_sync``.
+- an **object tier** (:class:`ObjectTier`; ``memory``, and a node server's
+  shared arena later) holds host-memory objects that the kernels gather into
+  and scatter from directly. Its methods are synchronous and quick (no I/O
+  wait): store stages allocate there, fill the object, and commit it.
 
-A user's own tier::
+A user's own byte tier::
 
-    from flowkv.registry import tier
+    import attrs
+    import flowkv
     from flowkv.tiers import Tier
 
-    @attrs.define(kw_only=True)
+    @attrs.frozen(kw_only=True)
     class S3TierConfig:
         bucket: str
 
-    @tier("s3", config=S3TierConfig)
+    @flowkv.tier("s3", config=S3TierConfig)
     class S3Tier(Tier):
         def __init__(self, *, name: str, config: S3TierConfig) -> None:
             self.name = name
@@ -34,22 +45,23 @@ and in the pipeline file::
     [tiers.archive]
     kind = "s3"                  # or "mypkg.tiers:S3Tier"
     bucket = "kv-cache"
-
-Wrap it in :class:`flowkv.tiers.GuardedTier` (the engine does) and a failing or
-hanging tier is skipped instead of stalling inference.
+    timeout_s = 2.0              # the guard's keys, taken by every byte tier
 """
 
 from __future__ import annotations
 
 import abc
+from typing import Any, ClassVar, Literal, Protocol
+
+import torch
 
 from flowkv import payload
 
-__all__ = ["Tier", "verify_payload"]
+__all__ = ["ByteTier", "ObjectTier", "Tier", "TierObject", "verify_payload"]
 
 
 class Tier(abc.ABC):
-    """A storage tier for encoded chunk payloads.
+    """A byte tier: a storage tier for encoded chunk payloads.
 
     Contract, for every implementation:
 
@@ -68,6 +80,8 @@ class Tier(abc.ABC):
     :class:`flowkv.tiers.GuardedTier` turns that into misses and dropped puts.
     """
 
+    #: What the tier holds: encoded payloads (the storage manager guards it and writes behind).
+    holds: ClassVar[Literal["bytes", "objects"]] = "bytes"
     #: The tier's name from the pipeline file (``[tiers.NAME]``).
     name: str
 
@@ -89,6 +103,129 @@ class Tier(abc.ABC):
 
     def stats(self) -> dict[str, int | float]:
         """Counters for telemetry and tests; empty unless the tier keeps some."""
+        return {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={getattr(self, 'name', '?')!r})"
+
+
+#: The byte tier under its sort's name (``Tier`` is what user tiers subclass).
+ByteTier = Tier
+
+
+class TierObject(Protocol):
+    """One object an :class:`ObjectTier` hands out: host memory a kernel reads or writes.
+
+    ``flowkv.memory.MemoryObj`` is one. Reference counted: whoever got it from
+    ``allocate``/``allocate_bytes``/``get`` holds one reference and drops it
+    with ``ref_down``.
+    """
+
+    #: bytes of content
+    nbytes: int
+    #: content facts: ``{"codec": ..., "encoded_len": ...}`` for an encoded payload
+    meta: dict[str, Any]
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The view, of the shape and dtype asked for, onto the object's memory."""
+
+    def view_bytes(self) -> memoryview:
+        """A writable view of the object's bytes."""
+
+    def shrink_to_bytes(self, nbytes: int) -> None:
+        """Keep only the first ``nbytes`` bytes (the sole holder only), giving the rest back."""
+
+    def ref_down(self) -> None:
+        """Drop one reference; the last one frees the memory."""
+
+
+class ObjectTier(abc.ABC):
+    """An object tier: holds :class:`TierObject` s that kernels gather into and scatter from.
+
+    Contract, for every implementation (``memory``, and later a node
+    server's shared arena reached over a socket):
+
+    - ``open(slab_bytes=...)`` is called once, before any other method, with
+      the largest object the engine will allocate (one raw chunk and a margin
+      for an encoding): size or attach the backing memory there.
+    - ``allocate(shape, dtype)`` / ``allocate_bytes(nbytes)`` answer a new
+      object (one reference, the caller's) or ``None`` when nothing can be
+      evicted to make room: never wait. An object larger than a slab is a
+      configuration error (``ValueError``).
+    - ``put(key, obj)`` commits a filled object under ``key``, taking the
+      tier's own reference; False (nothing taken) when ``key`` is held.
+    - ``get(key)`` answers the object with a reference for the caller, or
+      ``None``. ``contains`` answers without touching recency or references.
+    - ``pin(key, owner, timeout_s=...)`` keeps an entry from eviction for
+      ``owner`` until ``release_owner(owner)`` or the deadline
+      (``expire_pins``); ``remove(key)`` drops an entry and its pins.
+    - ``on_evict``, when set by the storage manager, is called with each
+      evicted key after the tier's own lock is released.
+    - ``stats()`` is synchronous and cheap: a flat dict of numbers (or an
+      attrs instance of numbers).
+    """
+
+    holds: ClassVar[Literal["bytes", "objects"]] = "objects"
+    #: The tier's name from the pipeline file (``[tiers.NAME]``).
+    name: str
+    #: Called with each key the tier evicted (set by the storage manager when observed).
+    on_evict: Any = None
+
+    @abc.abstractmethod
+    def open(self, *, slab_bytes: int) -> None:
+        """Size (or attach) the backing memory; called once before use."""
+
+    @abc.abstractmethod
+    def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> TierObject | None:
+        """A new object holding a tensor of ``shape`` and ``dtype``, or ``None`` when full."""
+
+    @abc.abstractmethod
+    def allocate_bytes(self, nbytes: int) -> TierObject | None:
+        """A new object for an encoded payload of ``nbytes``, or ``None`` when full."""
+
+    @abc.abstractmethod
+    def put(self, key: str, obj: TierObject) -> bool:
+        """Commit ``obj`` under ``key`` (the tier takes its own reference); False when held."""
+
+    @abc.abstractmethod
+    def get(self, key: str) -> TierObject | None:
+        """The object under ``key`` with a reference for the caller, or ``None``."""
+
+    @abc.abstractmethod
+    def contains(self, key: str) -> bool:
+        """Whether ``key`` is held."""
+
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        """One bool per key (a remote object tier answers in one round trip)."""
+        return [self.contains(key) for key in keys]
+
+    @abc.abstractmethod
+    def remove(self, key: str) -> bool:
+        """Drop ``key`` and its pins; False when it was not held."""
+
+    @abc.abstractmethod
+    def pin(self, key: str, owner_id: Any, *, timeout_s: float) -> bool:
+        """Keep ``key`` from eviction for ``owner_id``; False when it is not held."""
+
+    @abc.abstractmethod
+    def release_owner(self, owner_id: Any) -> int:
+        """Drop every pin ``owner_id`` holds; how many."""
+
+    @abc.abstractmethod
+    def expire_pins(self) -> int:
+        """Drop pins whose deadline passed; how many."""
+
+    @abc.abstractmethod
+    def clear(self) -> None:
+        """Drop every entry and pin (readers keep their references)."""
+
+    def close(self) -> None:
+        """Release the tier's resources; the tier is not used after."""
+        self.clear()
+
+    def stats(self) -> Any:
+        """Counters for telemetry and tests."""
         return {}
 
     def __repr__(self) -> str:

@@ -1,0 +1,224 @@
+"""The executor: runs a pipeline's stage lists for the engine, whole or layer by layer.
+
+::
+
+    lookup / store / retrieve       -> one Runner over the kind's stage list
+    store_layerwise / retrieve_...  -> head (once) | per-layer block (each layer,
+                                       on the layer worker) | tail (once)
+
+It owns the runners and layerwise segments, the layer worker thread, and the
+accounting (counters, latencies, the failed-run health window: one object,
+one lock, shared by the inference thread, the layer worker and the tier I/O
+thread). Every call answers a result object (``StoreResult``,
+``RetrieveResult``); nothing of one call is left on shared attributes.
+
+Failure policy: a caller's mistake (a mask that is not a chunk-aligned
+prefix, a slot mapping of the wrong length) raises ``ValueError``; anything
+that goes wrong inside a run is logged and counted, and the call answers what
+it safely can (0 hits, 0 stored, the mask of what was loaded).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from flowkv.accounting import Accounting
+from flowkv.calls import KVTransfer, RetrieveResult, StoreResult, as_tokens
+from flowkv.items import Chunk, Request, RunContext, Services
+from flowkv.layerwise import LayerwiseRetrieve, LayerwiseStore
+from flowkv.pipeline import Pipeline
+from flowkv.runner import Runner, StageError
+
+__all__ = ["Executor"]
+
+_PARTS = ("head", "layer", "tail")
+
+
+class Executor:
+    """Runs ``pipeline``'s lists with ``services`` handed to every stage."""
+
+    def __init__(self, pipeline: Pipeline, services: Services, *, accounting: Accounting, tracer: Any) -> None:
+        self.services = services
+        self.accounting = accounting
+        self.tracer = tracer
+        self.pipeline_name = pipeline.name
+        self.num_layers = services.geometry.num_layers
+        self.layerwise = pipeline.layerwise.enabled
+        self._runners: dict[tuple[str, str], Runner] = {}
+        for kind in ("store", "retrieve", "lookup"):
+            self._runners[(kind, "all")] = self._runner(pipeline, kind, pipeline.stages(kind))
+        if self.layerwise:
+            for kind in ("store", "retrieve"):
+                specs = pipeline.stages(kind)
+                per_layer = [i for i, s in enumerate(specs) if s.info.per_layer]
+                first, last = per_layer[0], per_layer[-1] + 1
+                for part, chosen in zip(_PARTS, (specs[:first], specs[first:last], specs[last:])):
+                    self._runners[(kind, part)] = self._runner(pipeline, kind, chosen)
+        self._lock = threading.Lock()  # guards the layer worker's creation and shutdown
+        self._layer_worker: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def _runner(self, pipeline: Pipeline, kind: str, specs: Any) -> Runner:
+        return Runner(specs, kind=kind, pipeline=pipeline.name, tracer=self.tracer)
+
+    # -- running stage lists ----------------------------------------------------
+
+    def context(self, kind: str, request: Request | None, layer: int | None = None) -> RunContext:
+        """A run's context: what its stages see as ``ctx``."""
+        return RunContext(kind=kind, request=request, services=self.services, layer=layer)
+
+    def run(self, kind: str, source: list[Any], ctx: RunContext, *, part: str = "all", parent: Any = None) -> list[Any]:
+        """Run ``kind``'s stage list (or one layerwise ``part``: head, layer, tail) over ``source``.
+
+        A failed run is counted (and, repeated, makes the engine unhealthy for
+        a while) and answers no items. ``ctx``'s deferred callbacks are the
+        caller's to run.
+        """
+        request = ctx.request
+        attributes = {"request_id": request.request_id if request else None, "layer": ctx.layer}
+        try:
+            items = self._runners[(kind, part)].run(source, ctx, attributes=attributes, parent=parent)
+        except StageError as exc:
+            self.accounting.run_failed(ctx.kind, exc)
+            return []
+        self.accounting.run_succeeded()
+        return items
+
+    def _run_whole(self, kind: str, request: Request) -> list[Any]:
+        ctx = self.context(kind, request)
+        try:
+            return self.run(kind, [request], ctx)
+        finally:
+            ctx.run_deferred()
+
+    def submit_layer(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        """Queue ``fn(*args)`` on the one thread that runs per-layer blocks in order."""
+        with self._lock:
+            if self._layer_worker is None:
+                self._layer_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flowkv-layers")
+            worker = self._layer_worker
+        return worker.submit(fn, *args)
+
+    def healthy(self) -> bool:
+        return self.accounting.healthy()
+
+    def skipped(self) -> None:
+        """A call not made because the engine is unhealthy."""
+        self.accounting.count("skipped_unhealthy")
+
+    # -- the calls --------------------------------------------------------------
+
+    def lookup(self, tokens: Any, *, pin: bool = False, tags: Mapping[str, str] | None = None,
+               lookup_id: Any = None, request_id: str | None = None) -> int:
+        """Hit tokens: whole chunks the tiers hold, contiguous from token 0."""
+        if not self.healthy():
+            self.skipped()
+            return 0
+        if pin and lookup_id is None:
+            raise ValueError("lookup(pin=True) needs a lookup_id to release the pins by")
+        started = time.perf_counter()
+        self.services.storage.expire_pins()
+        request = Request(tokens=as_tokens(tokens), tags=dict(tags or {}), lookup_id=lookup_id,
+                          pin=pin, request_id=request_id)
+        self._run_whole("lookup", request)
+        self.accounting.observe("lookup", started)
+        hit = request.hit_tokens or 0
+        count = self.accounting.count
+        count("lookups")
+        count("lookup_requested_tokens", request.num_tokens)
+        count("lookup_hit_tokens", hit)
+        return hit
+
+    def _request(self, transfer: KVTransfer) -> Request:
+        request = transfer.request(self.services.chunk_size)
+        # Store and retrieve expire pins too: a scheduler that stopped calling
+        # lookup must not leave a full arena pinned against every later store.
+        self.services.storage.expire_pins()
+        return request
+
+    def store(self, transfer: KVTransfer) -> StoreResult:
+        if not self.healthy():
+            self.skipped()
+            return StoreResult(0)
+        if self.layerwise:
+            handle = self.start_store(transfer)
+            return self._every_layer(handle, handle.layer_ready)
+        started = time.perf_counter()
+        request = self._request(transfer)
+        items = self._run_whole("store", request)
+        return self.finish_store(sum(c.num_tokens for c in items if isinstance(c, Chunk)), started)
+
+    def retrieve(self, transfer: KVTransfer) -> RetrieveResult:
+        if self.layerwise:
+            handle = self.start_retrieve(transfer)
+            return self._every_layer(handle, handle.wait)
+        started = time.perf_counter()
+        request = self._request(transfer)
+        request.ret_mask = torch.zeros(request.num_tokens, dtype=torch.bool)
+        try:
+            if not self.healthy():
+                self.skipped()
+                return RetrieveResult.of(request)
+            self._run_whole("retrieve", request)
+        finally:
+            if request.lookup_id is not None:
+                self.services.storage.release(request.lookup_id)
+        return self._account_retrieve(request, started)
+
+    def start_retrieve(self, transfer: KVTransfer) -> LayerwiseRetrieve:
+        self._require_layerwise()
+        request = self._request(transfer)
+        request.ret_mask = torch.zeros(request.num_tokens, dtype=torch.bool)
+        handle = LayerwiseRetrieve(self, request)
+        handle.start()
+        return handle
+
+    def start_store(self, transfer: KVTransfer) -> LayerwiseStore:
+        self._require_layerwise()
+        return LayerwiseStore(self, self._request(transfer))
+
+    def _every_layer(self, handle: Any, step: Callable[[int], None]) -> Any:
+        """A whole-request call on a layerwise pipeline: every layer at once, then finish."""
+        for layer in range(self.num_layers):
+            step(layer)
+        handle.finish()
+        return handle.result
+
+    def _require_layerwise(self) -> None:
+        if not self.layerwise:
+            raise ValueError(f"pipeline '{self.pipeline_name}' is not layerwise: set [layerwise] enabled = true")
+
+    # -- the end of a call (layerwise handles end theirs here too) --------------
+
+    def finish_store(self, stored: int, started: float) -> StoreResult:
+        """Account for a store that began at ``started`` and stored ``stored`` tokens."""
+        self.accounting.count("stores")
+        self.accounting.count("stored_tokens", stored)
+        self.accounting.observe("store", started)
+        return StoreResult(stored)
+
+    def finish_retrieve(self, request: Request, started: float) -> RetrieveResult:
+        """Release the lookup's pins and account for a retrieve that began at ``started``."""
+        if request.lookup_id is not None:
+            self.services.storage.release(request.lookup_id)
+        return self._account_retrieve(request, started)
+
+    def _account_retrieve(self, request: Request, started: float) -> RetrieveResult:
+        result = RetrieveResult.of(request)
+        self.accounting.count("retrieves")
+        self.accounting.count("retrieved_tokens", result.loaded_tokens)
+        if result.failed_range is not None:
+            self.accounting.count("retrieve_short")
+        self.accounting.observe("retrieve", started)
+        return result
+
+    def close(self) -> None:
+        with self._lock:
+            worker, self._layer_worker = self._layer_worker, None
+        if worker is not None:
+            worker.shutdown(wait=True)

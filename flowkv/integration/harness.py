@@ -1,0 +1,138 @@
+"""vLLM in this process, with flowkv as its connector: what the demo, ``flowkv quality`` and the vLLM benchmarks share.
+
+- the demo model (``DEMO_MODEL``: a random-weight Llama built locally once,
+  in ``default_model_dir()``) and the demo workload (``documents``: Python
+  standard-library sources, and ``QUESTIONS`` to ask about them);
+- ``setup_environment`` (no model hub, every core, a small KV pool),
+  ``build_llm`` (prefix caching off, so every reused token comes from the
+  connector), ``flowkv_config`` (the ``KVTransferConfig`` selecting flowkv),
+  ``time_to_first_token`` and ``shutdown``;
+- ``kv_bytes_per_token`` of a model folder.
+
+Imports vLLM only inside the functions that start it.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DEMO_MODEL",
+    "QUESTIONS",
+    "build_llm",
+    "default_model_dir",
+    "documents",
+    "flowkv_config",
+    "kv_bytes_per_token",
+    "setup_environment",
+    "shutdown",
+    "time_to_first_token",
+]
+
+DEMO_MODEL = dict(num_layers=4, hidden_size=1024, num_heads=16, num_kv_heads=4, intermediate_size=2816,
+                  vocab_size=2048, max_position_embeddings=32768)
+QUESTIONS = (
+    "\n\nQuestion: Which functions does this module define, and what do they return?\nAnswer:",
+    "\n\nQuestion: Summarize in one sentence what this code is for.\nAnswer:",
+)
+
+
+def default_model_dir() -> Path:
+    """Where the demo model is built (``$FLOWKV_CACHE/models/demo-llama``, default under ``~/.cache/flowkv``)."""
+    return Path(os.environ.get("FLOWKV_CACHE", Path.home() / ".cache" / "flowkv")) / "models" / "demo-llama"
+
+
+def setup_environment() -> None:
+    """vLLM on this CPU: no hub, both cores, a small KV pool."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    cores = os.cpu_count() or 1
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}" if cores > 1 else "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # vLLM's processes warn about torch deprecations
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    """Bytes of bf16 keys and values one token takes over all layers of the model in folder ``model``."""
+    config = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return config["num_hidden_layers"] * 2 * heads * head_dim * 2
+
+
+def documents(tokenizer: Any, count: int, doc_tokens: int) -> list[list[int]]:
+    """``count`` documents of exactly ``doc_tokens`` tokens: standard-library sources, read locally."""
+    sources = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"), key=lambda p: p.name)
+    docs: list[list[int]] = []
+    for path in sources:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        ids = tokenizer.encode(f"Document: {path.name}\n\n{text}", add_special_tokens=False)
+        if len(ids) >= doc_tokens:
+            docs.append(ids[:doc_tokens])
+        if len(docs) == count:
+            return docs
+    raise RuntimeError(f"found only {len(docs)} standard-library files of {doc_tokens} tokens")
+
+
+def build_llm(model: Path, *, kv_transfer_config: Any = None, max_model_len: int = 16384,
+              kv_cache_memory_bytes: int | None = None) -> Any:
+    """A vLLM engine for the demo model; prefix caching off so every reuse comes from the connector."""
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {}
+    if kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+    return LLM(
+        model=str(model),
+        dtype="bfloat16",
+        enable_prefix_caching=False,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_model_len,
+        kv_transfer_config=kv_transfer_config,
+        disable_log_stats=True,
+        seed=0,
+        **kwargs,
+    )
+
+
+def flowkv_config(pipeline: str, **extra: Any) -> Any:
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="FlowKVConnector",
+        kv_connector_module_path="flowkv.integration.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"pipeline": pipeline, **extra},
+    )
+
+
+def time_to_first_token(llm: Any, prompt_ids: list[int], *, skip_save: bool = False) -> tuple[float, int]:
+    """Seconds to the first generated token of one prompt, and the tokens the connector served.
+
+    ``skip_save`` asks flowkv not to store the prompt (a read-only request).
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    extra = {"kv_transfer_params": {"flowkv.skip_save": True}} if skip_save else None
+    params = SamplingParams(max_tokens=1, temperature=0.0, extra_args=extra)
+    started = time.perf_counter()
+    [output] = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)], params, use_tqdm=False)
+    return time.perf_counter() - started, int(output.num_cached_tokens or 0)
+
+
+def shutdown(llm: Any) -> None:
+    """Stop a vLLM engine and its processes before another starts."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()

@@ -1,0 +1,128 @@
+"""What the connector takes from vLLM's configuration and from each request.
+
+- ``ConnectorSettings``: ``kv_connector_extra_config`` split into the keys the
+  connector reads itself (``pipeline``, ``model_name``, ``ipc_dir``) and
+  pipeline overrides by dotted path (the ``[vllm]`` table's ``save_decode``
+  and ``lookup_timeout_ms`` may be given bare).
+- ``Instance``: the vLLM instance a connector serves (its id, data-parallel
+  rank and number of workers), which names the workers' lookup sockets.
+- ``request_tags``: a request's cache-key tags and skip-save flag, from its
+  ``kv_transfer_params``, ``cache_salt`` and LoRA adapter.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from flowkv.integration._ipc import default_ipc_dir, socket_path
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("flowkv.integration")
+
+__all__ = ["ConnectorSettings", "Instance", "request_tags"]
+
+DEFAULT_PIPELINE = "local-cpu"
+TAG_PREFIX = "flowkv.tag."
+SKIP_SAVE_KEY = "flowkv.skip_save"
+# Extra-config keys the connector reads itself; every other key overrides the pipeline.
+_CONNECTOR_KEYS = ("pipeline", "model_name", "ipc_dir")
+# Bare extra-config keys that live in the pipeline's [vllm] table.
+_VLLM_SECTION_KEYS = ("save_decode", "lookup_timeout_ms")
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """What the connector takes from ``kv_connector_extra_config``."""
+
+    pipeline: str
+    # Pipeline settings by dotted path, passed on to the pipeline loader.
+    overrides: dict[str, Any]
+    model_name: str
+    ipc_dir: Path
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None, *, default_model: str) -> ConnectorSettings:
+        """Split the extra config into connector keys and pipeline overrides."""
+        extra = dict(extra or {})
+        pipeline = extra.get("pipeline", DEFAULT_PIPELINE)
+        if not isinstance(pipeline, (str, os.PathLike)) or not str(pipeline):
+            raise ValueError(
+                f"kv_connector_extra_config 'pipeline' must be a built-in pipeline name or a TOML path, "
+                f"got {pipeline!r}"
+            )
+        model_name = extra.get("model_name", default_model)
+        if not isinstance(model_name, str) or not model_name:
+            raise ValueError(f"kv_connector_extra_config 'model_name' must be a non-empty string, got {model_name!r}")
+        overrides: dict[str, Any] = {}
+        for key, value in extra.items():
+            if key in _CONNECTOR_KEYS:
+                continue
+            overrides[f"vllm.{key}" if key in _VLLM_SECTION_KEYS else key] = value
+        return cls(
+            pipeline=str(pipeline),
+            overrides=overrides,
+            model_name=model_name,
+            ipc_dir=Path(extra["ipc_dir"]) if extra.get("ipc_dir") else default_ipc_dir(),
+        )
+
+    @classmethod
+    def of(cls, vllm_config: VllmConfig) -> ConnectorSettings:
+        """The settings of a vLLM configuration whose KV connector is flowkv."""
+        transfer = vllm_config.kv_transfer_config
+        extra = transfer.kv_connector_extra_config if transfer else None
+        return cls.from_extra_config(extra, default_model=vllm_config.model_config.model)
+
+
+@dataclass(frozen=True)
+class Instance:
+    """The vLLM instance a connector serves.
+
+    The scheduler and every worker of one instance see the same
+    ``instance_id``; each worker serves lookups on the socket of its rank.
+    """
+
+    instance_id: str
+    dp_rank: int
+    # Workers per data-parallel rank: tensor x pipeline parallel.
+    world_size: int
+
+    @classmethod
+    def of(cls, vllm_config: VllmConfig) -> Instance:
+        parallel = vllm_config.parallel_config
+        return cls(
+            instance_id=vllm_config.instance_id,
+            dp_rank=parallel.data_parallel_rank,
+            world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+        )
+
+    def socket(self, ipc_dir: Path, rank: int) -> Path:
+        """The lookup socket of worker ``rank``."""
+        return socket_path(ipc_dir, self.instance_id, self.dp_rank, rank)
+
+
+def request_tags(request: Request) -> tuple[dict[str, str], bool]:
+    """Cache-key tags and the skip-save flag of a vLLM request."""
+    tags: dict[str, str] = {}
+    params = request.kv_transfer_params or {}
+    for key, value in params.items():
+        if isinstance(key, str) and key.startswith(TAG_PREFIX):
+            name = key[len(TAG_PREFIX):]
+            if not name:
+                # Raising here would take down vLLM's engine core, not just this request.
+                logger.warning("flowkv: ignoring kv_transfer_params key %r: it names no tag", key)
+                continue
+            tags[name] = str(value)
+    if getattr(request, "cache_salt", None):
+        tags["cache_salt"] = str(request.cache_salt)
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        tags["lora"] = str(getattr(lora, "lora_name", None) or getattr(lora, "lora_int_id", ""))
+    return tags, bool(params.get(SKIP_SAVE_KEY, False))

@@ -1,0 +1,186 @@
+"""The pipeline model: what a loaded pipeline file is, and what is wrong with one.
+
+Plain attrs classes, with no behaviour beyond their fields, so that every
+part of flowkv (the loader, the runner, telemetry, the engine, tools) can
+name them without importing the loader. ``flowkv.pipeline`` builds them from
+TOML and re-exports them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+import attrs
+
+if TYPE_CHECKING:
+    from flowkv.registry import StageInfo, TierInfo
+
+__all__ = [
+    "Diagnostic",
+    "LayerwiseSpec",
+    "Location",
+    "Pipeline",
+    "PipelineError",
+    "PipelineSection",
+    "QualitySpec",
+    "StageSpec",
+    "TelemetrySpec",
+    "TierGuardSpec",
+    "TierSpec",
+    "VllmSpec",
+]
+
+
+@attrs.frozen
+class Location:
+    """Where a thing was declared."""
+
+    file: str
+    line: int
+    col: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
+    @property
+    def short(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+@attrs.frozen
+class StageSpec:
+    """One ``[[store.stages]]`` (or retrieve/lookup) table, resolved and structured."""
+
+    use: str  # the name as written
+    info: StageInfo
+    config: Any  # instance of info.config_cls: every effective setting, defaults included
+    index: int  # position in its list
+    location: Location
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    def settings(self) -> dict[str, Any]:
+        return attrs.asdict(self.config, recurse=False)
+
+
+@attrs.frozen(kw_only=True)
+class TierGuardSpec:
+    """Keys every byte tier's table accepts besides its kind's own (see ``flowkv.tiers.base``)."""
+
+    timeout_s: float = 1.0  # every call to the tier is cut off after this
+    backoff_max_s: float = 30.0  # a failed tier is retried after at most this long
+    write_queue: int = 256  # chunks held for write-behind (waiting or being written); more are dropped and counted
+
+
+@attrs.frozen
+class TierSpec:
+    """One ``[tiers.NAME]`` table."""
+
+    name: str
+    kind: str
+    info: TierInfo
+    config: Any  # instance of info.config_cls
+    location: Location
+    guard: TierGuardSpec = TierGuardSpec()
+
+
+@attrs.frozen
+class PipelineSection:
+    name: str = "unnamed"
+    chunk_size: int = 256
+    # Chunk hash function; "auto" is vLLM's sha256_cbor when vLLM imports, else sha256.
+    hash: str = "auto"
+    # Store the last chunk of a request even when it holds fewer than chunk_size tokens.
+    save_partial_chunks: bool = False
+    # Pins taken by lookup are dropped after this long if no retrieve comes.
+    pin_timeout_s: float = 30.0
+    description: str = ""
+
+
+@attrs.frozen
+class LayerwiseSpec:
+    enabled: bool = False
+
+
+@attrs.frozen
+class TelemetrySpec:
+    exporter: Literal["none", "console", "otlp", "file"] = "none"
+    endpoint: str | None = None  # otlp: e.g. "http://localhost:4317"
+    protocol: Literal["grpc", "http/protobuf"] = "grpc"
+    folder: str = "traces"  # file: where OTLP-JSON trace files go
+    sampling: float = 1.0  # fraction of runs traced
+    service_name: str = "flowkv"
+
+
+@attrs.frozen
+class VllmSpec:
+    """Settings the vLLM connector reads."""
+
+    save_decode: bool = False  # also store KV of generated tokens
+    lookup_timeout_ms: int = 200  # the scheduler answers 0 hits past this
+
+
+@attrs.frozen
+class QualitySpec:
+    """``[quality]``: the output quality a pipeline with lossy codecs must have shown.
+
+    With ``min_agreement`` set, the loader refuses the pipeline unless the
+    quality record at ``record`` (written by ``flowkv quality``; a path
+    relative to the pipeline file) measured every lossy codec of the store
+    list, with these parameters, at or above that greedy-token agreement.
+    Lossless-only pipelines pass without a record.
+    """
+
+    min_agreement: float | None = None  # 0..1, e.g. 0.95
+    record: str | None = None  # path to the quality record JSON
+
+
+@attrs.frozen
+class Pipeline:
+    """A loaded, checked pipeline set."""
+
+    name: str
+    source: str  # file path, or "<string>"
+    section: PipelineSection
+    tiers: dict[str, TierSpec]  # in declaration order = lookup order
+    store: tuple[StageSpec, ...]
+    retrieve: tuple[StageSpec, ...]
+    lookup: tuple[StageSpec, ...]
+    layerwise: LayerwiseSpec
+    telemetry: TelemetrySpec
+    vllm: VllmSpec
+    quality: QualitySpec = QualitySpec()
+
+    @property
+    def chunk_size(self) -> int:
+        return self.section.chunk_size
+
+    def stages(self, kind: str) -> tuple[StageSpec, ...]:
+        return {"store": self.store, "retrieve": self.retrieve, "lookup": self.lookup}[kind]
+
+
+# -- what is wrong with a pipeline file -----------------------------------------
+
+
+@attrs.frozen
+class Diagnostic:
+    file: str
+    line: int
+    col: int
+    message: str
+    # syntax, unknown-key, missing-key, invalid-value, unknown-stage, unknown-tier,
+    # module-not-found, attribute-not-found, misuse, duplicate, graph, quality
+    kind: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}: {self.message}"
+
+
+class PipelineError(ValueError):
+    """Every problem found in a pipeline file, one ``FILE:LINE:COL: message`` per line."""
+
+    def __init__(self, diagnostics: list[Diagnostic]) -> None:
+        self.diagnostics = sorted(diagnostics, key=lambda d: (d.file, d.line, d.col))
+        super().__init__("\n".join(str(d) for d in self.diagnostics))

@@ -1,0 +1,187 @@
+"""The ``[quality]`` gate: may a pipeline with lossy codecs load, given its quality record?
+
+Pure checks on a loaded pipeline and a JSON record, nothing that runs a
+model: the pipeline loader calls ``check_gate`` (a failure is a diagnostic at
+``[quality] min_agreement``), the vLLM connector calls ``check_served_model``
+at start. The measurement that writes the record, ``flowkv quality``, is
+``flowkv.quality``; its docstring describes the record and the settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from flowkv.codecs import get_codec
+
+__all__ = [
+    "RECORD_FORMAT",
+    "canonical_params",
+    "check_gate",
+    "check_served_model",
+    "codec_settings",
+    "describe_codec",
+    "load_record",
+    "model_digest",
+    "record_path",
+]
+
+#: Version of the quality record's JSON layout.
+RECORD_FORMAT = 1
+
+
+# -- the codecs a pipeline uses ---------------------------------------------------
+
+
+def canonical_params(codec: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """Every parameter of `codec`, defaults filled in, as the payload header stores them."""
+    impl = get_codec(codec)
+    return impl.params_to_header(impl.resolve_params(**dict(params)))
+
+
+def codec_settings(store_stages: Sequence[Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(codec, full parameters) of each ``compress`` stage of a store list, in order, without repeats.
+
+    `store_stages` are the loader's ``StageSpec``s. Stage settings other than
+    ``codec`` that are set (``level``) are the codec's parameters.
+    """
+    found: list[tuple[str, dict[str, Any]]] = []
+    for spec in store_stages:
+        if spec.name != "compress":
+            continue
+        settings = dict(spec.settings())
+        codec = settings.pop("codec", "none")
+        params = {k: v for k, v in settings.items() if v is not None}
+        entry = (codec, canonical_params(codec, params))
+        if entry not in found:
+            found.append(entry)
+    return found
+
+
+def _lossy_codecs(store_stages: Sequence[Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The entries of ``codec_settings`` whose codec is lossy: what the gate holds to a record."""
+    return [(c, p) for c, p in codec_settings(store_stages) if not get_codec(c).lossless]
+
+
+def describe_codec(codec: str, params: Mapping[str, Any]) -> str:
+    """``int8 {"group_size": 32}``: a codec and its parameters as messages name them."""
+    return codec + ("" if not params else " " + json.dumps(dict(params), sort_keys=True))
+
+
+# -- the record and the gate ----------------------------------------------------
+
+
+def model_digest(model: Path) -> str:
+    """sha256 of the model's config.json: tells records of different models apart."""
+    return hashlib.sha256((model / "config.json").read_bytes()).hexdigest()
+
+
+def load_record(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a quality record; ValueError saying what is wrong with it."""
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"cannot read quality record {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"quality record {path} is not JSON: {exc}") from None
+    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT or not isinstance(record.get("codecs"), list):
+        raise ValueError(f"{path} is not a flowkv quality record (format {RECORD_FORMAT}, with a 'codecs' list)")
+    for entry in record["codecs"]:
+        if not (isinstance(entry, dict) and isinstance(entry.get("codec"), str)
+                and isinstance(entry.get("params"), dict) and isinstance(entry.get("agreement"), (int, float))):
+            raise ValueError(f"quality record {path}: a codecs entry lacks codec, params or agreement: {entry!r}")
+    return record
+
+
+def record_path(record: str, source: str) -> Path:
+    """Where a ``[quality] record`` of the pipeline loaded from `source` is.
+
+    ``~`` is expanded; a relative path is taken from the pipeline file's
+    folder, or from the working directory for a pipeline loaded from a
+    string (`source` ``"<string>"``).
+    """
+    path = Path(record).expanduser()
+    if not path.is_absolute():
+        path = (Path(source).parent if source != "<string>" else Path.cwd()) / path
+    return path
+
+
+def check_gate(
+    store_stages: Sequence[Any],
+    *,
+    min_agreement: float,
+    record: str | None,
+    source: str,
+) -> list[str]:
+    """Why a pipeline with these store stages fails ``[quality] min_agreement``; empty when it passes.
+
+    Only lossy codecs are gated. `source` is the pipeline file (or
+    ``"<string>"``): `record` is found as ``record_path`` says.
+    """
+    if not 0.0 <= min_agreement <= 1.0:
+        return [f"[quality] min_agreement must be between 0 and 1, got {min_agreement}"]
+    try:
+        lossy = _lossy_codecs(store_stages)
+    except ValueError as exc:  # an unknown codec or parameter: nothing to look up in a record
+        return [f"[quality] cannot gate this pipeline's codecs: {exc}"]
+    if not lossy:
+        return []
+    names = ", ".join(describe_codec(c, p) for c, p in lossy)
+    if record is None:
+        return [f"[quality] min_agreement needs a measurement of lossy codec(s) {names}: set "
+                f"record = \"PATH\" to a record written by 'flowkv quality PIPELINE --out PATH'"]
+    path = record_path(record, source)
+    if not path.exists():
+        return [f"[quality] no quality record at {path} for lossy codec(s) {names}: "
+                f"write it with 'flowkv quality PIPELINE --out {path}'"]
+    try:
+        data = load_record(path)
+    except ValueError as exc:
+        return [f"[quality] {exc}"]
+    measured = {(e["codec"], json.dumps(e["params"], sort_keys=True)): e for e in data["codecs"]}
+    problems = []
+    for codec, params in lossy:
+        entry = measured.get((codec, json.dumps(params, sort_keys=True)))
+        if entry is None:
+            have = ", ".join(describe_codec(e["codec"], e["params"]) for e in data["codecs"]) or "nothing"
+            problems.append(f"[quality] record {path} has no measurement of {describe_codec(codec, params)} "
+                            f"(it measured: {have}); run 'flowkv quality' on this pipeline again")
+        elif entry["agreement"] < min_agreement:
+            problems.append(
+                f"[quality] {describe_codec(codec, params)} agreed with the uncompressed model on "
+                f"{entry['agreement']:.1%} of greedy tokens (record {path}, model {data.get('model', '?')}), "
+                f"below min_agreement {min_agreement:.1%}"
+            )
+    return problems
+
+
+def check_served_model(pipeline: Any, model: str) -> str | None:
+    """Whether the quality record a pipeline is gated by measured ``model``.
+
+    ``ValueError`` when the record measured another model (its config.json
+    differs): an agreement measured on one model says nothing of another.
+    Returns a warning when the served model cannot be checked (not a local
+    folder with a config.json); None when it matches or nothing is gated.
+    """
+    quality = pipeline.quality
+    if quality.min_agreement is None or quality.record is None:
+        return None
+    if not _lossy_codecs(pipeline.store):
+        return None
+    path = record_path(quality.record, pipeline.source)
+    record = load_record(path)
+    config = Path(model).expanduser() / "config.json"
+    if not config.is_file():
+        return (f"[quality] cannot check that record {path} measured the served model {model!r} "
+                f"(no local config.json); make sure it did")
+    if record.get("model_config_sha256") != model_digest(config.parent):
+        raise ValueError(
+            f"[quality] record {path} measured model {record.get('model', '?')}, but vLLM serves {model} (config.json differs): "
+            f"its agreement does not hold for this model; run 'flowkv quality PIPELINE --model {model} --out {path}'"
+        )
+    return None
+

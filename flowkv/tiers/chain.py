@@ -1,0 +1,483 @@
+"""The storage manager: every tier of a pipeline, in order, and the policies between them.
+
+::
+
+    find / read                                        put (stage option tiers = [...])
+      |                                                  |
+      v                                                  v
+    [memory] (object tier: stores allocate here) --> [disk] --> [redis]   byte tiers: guarded,
+      ^  promote (read, prefetch)                       |          |      written behind
+      +-------------------------------------------------+----------+
+
+This is the one place that knows the tiers' order and which of them holds
+objects (memory). Stages reach it as ``ctx.services.storage``:
+
+- ``find`` answers, for each key, the first tier in order that holds it
+  (prefix contiguity is the lookup stage's rule over that answer);
+- ``read`` hands back a chunk's object or payload, promoting a byte-tier hit
+  into memory when the caller asks (``get``'s ``promote`` option);
+- ``allocate`` gives a store room in memory; ``put`` commits a chunk to a
+  named tier (byte tiers through their bounded write-behind queue);
+- ``pin`` / ``release`` / ``expire_pins`` keep lookup hits from eviction until
+  retrieve; ``prefetch`` starts promoting byte-tier hits at lookup time;
+- ``health``, ``stats``, ``flush``, ``close``; ``subscribe`` for admit and
+  evict events of object tiers.
+
+Byte-tier calls run on the I/O thread (:mod:`flowkv.tiers.portal`), each
+bounded by its tier's ``timeout_s``; a failing tier answers misses and drops
+writes (:class:`flowkv.tiers.GuardedTier`), and inference goes on without it.
+
+The manager holds no engine state: it needs no KV geometry (callers say what
+shape a chunk decodes to) and no pipeline beyond its ``[tiers]`` tables, so a
+node server can host it in a process of its own.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+
+import attrs
+import torch
+
+from flowkv import payload as payloads
+from flowkv.tiers import portal
+from flowkv.tiers.base import ObjectTier, Tier, TierObject
+from flowkv.tiers.health import GuardedTier, TierHealth
+from flowkv.tiers.writebehind import WriteBehind
+
+if TYPE_CHECKING:
+    from flowkv.accounting import Counters
+    from flowkv.pipeline import TierSpec
+
+__all__ = ["Entry", "Found", "StorageManager", "TierEvent"]
+
+log = logging.getLogger("flowkv.tiers")
+
+
+# Entry and Found are made once per chunk per call: tuples, cheaper than attrs classes.
+
+
+class Entry(NamedTuple):
+    """One chunk as the tiers see it: its key, where lookup found it, what its raw KV is."""
+
+    key: str
+    tier: str | None  # the tier lookup found it in (None: not found, or masked)
+    shape: tuple[int, ...]  # the raw KV's shape: a raw payload must decode to exactly this
+    dtype: torch.dtype
+
+
+class Found(NamedTuple):
+    """What ``read`` found: an object tier's object (the reader holds a reference) or a payload."""
+
+    tier: str
+    obj: TierObject | None = None  # release with obj.ref_down() when done
+    kv: torch.Tensor | None = None  # raw KV (a view onto ``obj``)
+    payload: Any = None  # encoded bytes (header + body)
+
+
+@attrs.frozen
+class TierEvent:
+    """Something an object tier admitted or let go of (for a fleet controller)."""
+
+    kind: Literal["admit", "evict", "remove"]
+    tier: str
+    key: str
+
+
+class _NoCounters:
+    def count(self, name: str, n: float = 1) -> None:
+        pass
+
+
+class StorageManager:
+    """The ordered tiers of one pipeline: object tiers (memory) and byte tiers (disk, Redis, yours).
+
+    ``tiers`` are built tier instances in lookup order. Exactly one object
+    tier is the *staging* tier: stores allocate there, and byte-tier hits are
+    promoted there. Byte tiers are wrapped in a :class:`GuardedTier` (with
+    ``guards[name]``: ``timeout_s``, ``backoff_max_s``, ``write_queue``).
+    """
+
+    def __init__(
+        self,
+        tiers: Mapping[str, ObjectTier | Tier],
+        *,
+        slab_bytes: int,
+        pin_timeout_s: float = 30.0,
+        guards: Mapping[str, Any] | None = None,
+        counters: Counters | None = None,
+    ) -> None:
+        self.pin_timeout_s = pin_timeout_s
+        self._counters: Counters = counters or _NoCounters()
+        self.order: tuple[str, ...] = tuple(tiers)
+        self._objects: dict[str, ObjectTier] = {}
+        self.guarded: dict[str, GuardedTier] = {}
+        self._write_behind: dict[str, WriteBehind] = {}
+        self._timeout_s: dict[str, float] = {}
+        for name, tier in tiers.items():
+            if getattr(tier, "holds", "bytes") == "objects":
+                tier.open(slab_bytes=slab_bytes)
+                self._objects[name] = tier  # type: ignore[assignment]
+                continue
+            guard = (guards or {}).get(name)
+            timeout_s = guard.timeout_s if guard is not None else 1.0
+            backoff_max_s = guard.backoff_max_s if guard is not None else 30.0
+            guarded = GuardedTier(tier, timeout_s=timeout_s, backoff_initial_s=min(1.0, backoff_max_s),  # type: ignore[arg-type]
+                                  backoff_max_s=backoff_max_s)
+            self.guarded[name] = guarded
+            self._write_behind[name] = WriteBehind(guarded, guard.write_queue if guard is not None else 256)
+            self._timeout_s[name] = timeout_s
+        if len(self._objects) != 1:
+            raise ValueError(f"a storage manager needs exactly one object tier (memory), got {list(self._objects)}")
+        #: the object tier stores allocate in and byte-tier hits are promoted to
+        self.staging: str = next(iter(self._objects))
+        self.memory: ObjectTier = self._objects[self.staging]
+        self._lock = threading.Lock()  # guards the prefetch state below
+        self._prefetching: dict[str, concurrent.futures.Future[None]] = {}
+        self._prefetch_owner: dict[Any, list[str]] = {}
+        self._observers: list[Callable[[TierEvent], None]] = []
+
+    @classmethod
+    def from_specs(
+        cls,
+        specs: Mapping[str, TierSpec],
+        *,
+        slab_bytes: int,
+        pin_timeout_s: float = 30.0,
+        world_size: int = 1,
+        rank: int = 0,
+        counters: Counters | None = None,
+    ) -> StorageManager:
+        """Build every ``[tiers.NAME]`` of a pipeline the same way: ``Cls(name=NAME, config=cfg)``."""
+        tiers: dict[str, ObjectTier | Tier] = {}
+        for name, spec in specs.items():
+            config = spec.config
+            if world_size > 1 and isinstance(getattr(config, "path", None), str):
+                # One process per folder: each tensor-parallel rank keeps its own.
+                config = attrs.evolve(config, path=str(Path(config.path).expanduser() / f"rank{rank}"))
+            tiers[name] = spec.info.cls(name=name, config=config)
+        guards = {name: spec.guard for name, spec in specs.items()}
+        return cls(tiers, slab_bytes=slab_bytes, pin_timeout_s=pin_timeout_s, guards=guards, counters=counters)
+
+    # -- what is where ------------------------------------------------------
+
+    def holds_objects(self, tier: str | None) -> bool:
+        """Whether ``tier`` is an object tier (its hits are objects, pinnable, no I/O wait)."""
+        return tier in self._objects
+
+    def tier(self, name: str) -> ObjectTier | GuardedTier:
+        """The tier named ``name`` (byte tiers with their guard)."""
+        objects = self._objects.get(name)  # not `or`: an empty memory tier is falsy (it has a length)
+        return objects if objects is not None else self.guarded[name]
+
+    def find(self, keys: Sequence[str], *, skip: Sequence[bool] | None = None,
+             tiers: Sequence[str] | None = None) -> list[str | None]:
+        """For each key, the first tier (in order, or of ``tiers``) that holds it, or None.
+
+        Keys with ``skip`` set are not asked for. Reads no payload.
+        """
+        found: list[str | None] = [None] * len(keys)
+        for name in tiers or self.order:
+            todo = [i for i, k in enumerate(keys) if found[i] is None and not (skip and skip[i])]
+            if not todo:
+                break
+            wanted = [keys[i] for i in todo]
+            objects = self._objects.get(name)
+            if objects is not None:
+                answers = objects.contains_many(wanted)
+            else:
+                answers = self._call(name, "exists", wanted, default=[False] * len(todo))
+            for i, present in zip(todo, answers):
+                if present:
+                    found[i] = name
+        return found
+
+    def contains(self, key: str) -> bool:
+        """Whether the staging tier holds ``key`` (a store need not write it again)."""
+        return self.memory.contains(key)
+
+    # -- store ----------------------------------------------------------------
+
+    def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> TierObject | None:
+        """Room in the staging tier for a chunk's raw KV (evicting if needed); None when full."""
+        return self.memory.allocate(shape, dtype)
+
+    def put(self, tier: str, key: str, *, obj: TierObject | None = None, kv: torch.Tensor | None = None,
+            payload: Any = None) -> int:
+        """Commit a chunk to ``tier``; the bytes it takes there (0: already held, or dropped).
+
+        An object tier takes ``obj``: when ``payload`` (the chunk's encoding) is
+        no larger, the encoding replaces the raw KV in the object's own pages
+        and the rest goes back (``obj.meta["codec"]`` is then set and the raw
+        view is gone). A byte tier gets ``payload`` (or ``kv`` encoded raw)
+        through its write-behind queue and never waits.
+        """
+        objects = self._objects.get(tier)
+        if objects is None:
+            blob = payload if payload is not None else payloads.encode(kv, "none")
+            if isinstance(blob, memoryview):
+                blob = bytes(blob)
+            return len(blob) if self._write_behind[tier].offer(key, blob) else 0
+        if obj is None:
+            raise ValueError(f"put to object tier {tier!r} needs the chunk's object (run 'allocate' first)")
+        if payload is not None and len(payload) <= obj.nbytes:
+            # Overwrite the chunk's own pages (the raw KV is no longer needed; a
+            # second allocation could evict this store's own earlier chunks when
+            # memory is short), and give the pages past it back to the arena: a
+            # compressed entry costs only its bytes.
+            obj.view_bytes()[: len(payload)] = payload
+            obj.shrink_to_bytes(len(payload))
+            obj.meta["codec"] = payloads.read_header(payload).codec
+            obj.meta["encoded_len"] = len(payload)
+        else:
+            payload = None  # no codec, or an encoding no smaller than the raw chunk: keep it raw
+        if not objects.put(key, obj):
+            return 0  # another store of the same tokens got there first
+        self._emit("admit", tier, key)
+        return obj.nbytes if payload is None else len(payload)
+
+    # -- retrieve -------------------------------------------------------------
+
+    def read(self, entry: Entry, *, promote: bool) -> Found | None:
+        """``entry``'s data from the tiers: object tiers first, then byte tiers (the one
+        lookup named first); None when no tier has it any more.
+
+        With ``promote``, a byte-tier hit is copied into the staging tier (a raw
+        payload decoded on the way) and served from there.
+        """
+        key = entry.key
+        landing = None
+        if self._prefetching:  # no lock for the common case: nothing prefetching at all
+            with self._lock:
+                landing = self._prefetching.get(key)
+        if landing is not None:
+            try:
+                landing.result(timeout=self._timeout_s.get(entry.tier, 1.0) + 1.0)
+            except Exception:
+                pass
+        for name, objects in self._objects.items():
+            found = _found_in(name, objects, key)
+            if found is not None:
+                return found
+        order = [entry.tier] if entry.tier in self.guarded else []
+        order += [n for n in self.guarded if n not in order]
+        for name in order:
+            blob = self._call(name, "get", [key], default=[None])[0]
+            if blob is None:
+                continue
+            if promote and self._promote(key, blob, entry.shape, entry.dtype):
+                found = _found_in(self.staging, self.memory, key)
+                if found is not None:
+                    return found
+            return Found(tier=name, payload=blob)
+        return None
+
+    def discard(self, key: str, tier: str | None, error: Exception) -> None:
+        """A payload failed its checks: count it and drop it from object tiers so it is not served again."""
+        self._counters.count("corrupt_payloads")
+        log.warning("flowkv: dropping corrupt chunk %s from %s: %s", key, tier, error)
+        self.remove(key)
+
+    def remove(self, key: str) -> bool:
+        """Drop ``key`` from every object tier; whether any held it."""
+        removed = False
+        for name, objects in self._objects.items():
+            if objects.remove(key):
+                removed = True
+                self._emit("remove", name, key)
+        return removed
+
+    # -- pins and prefetch ----------------------------------------------------
+
+    def pin(self, hits: Sequence[tuple[str, str | None]], owner: Any) -> None:
+        """Keep the object-tier hits among ``hits`` (key, tier found in) from eviction for ``owner``."""
+        for key, tier in hits:
+            objects = self._objects.get(tier)  # type: ignore[arg-type]
+            if objects is not None:
+                objects.pin(key, owner, timeout_s=self.pin_timeout_s)
+
+    def release(self, owner: Any) -> None:
+        """Drop every pin ``owner`` holds, its prefetched chunks' included."""
+        for objects in self._objects.values():
+            objects.release_owner(owner)
+        with self._lock:
+            keys = self._prefetch_owner.pop(owner, [])
+        for key in keys:
+            for objects in self._objects.values():
+                objects.release_owner((owner, key))
+
+    def expire_pins(self) -> None:
+        """Drop pins past their deadline (a scheduler that stopped asking must not pin forever)."""
+        for objects in self._objects.values():
+            objects.expire_pins()
+
+    def prefetch(self, entries: Sequence[Entry], owner: Any) -> None:
+        """Start promoting the byte-tier hits among ``entries`` into the staging tier (not waiting).
+
+        Each promoted chunk is pinned for ``owner`` (released by ``release(owner)``).
+        """
+        by_tier: dict[str, list[Entry]] = collections.defaultdict(list)
+        with self._lock:
+            for entry in entries:
+                if entry.tier in self.guarded and entry.key not in self._prefetching:
+                    by_tier[entry.tier].append(entry)  # type: ignore[index]
+        for name, group in by_tier.items():
+            keys = [e.key for e in group]
+            future = portal.submit(self.guarded[name].get, keys)
+            # Readers wait on ``landed``, set once the chunks are in memory: waiters
+            # of ``future`` itself wake before its done-callbacks (the promotion) run.
+            landed: concurrent.futures.Future[None] = concurrent.futures.Future()
+            with self._lock:
+                for key in keys:
+                    self._prefetching[key] = landed
+                if owner is not None:
+                    self._prefetch_owner.setdefault(owner, []).extend(keys)
+            future.add_done_callback(
+                lambda f, group=group, owner=owner, landed=landed: self._prefetched(f, group, owner, landed)
+            )
+            self._counters.count("prefetches", len(keys))
+
+    def _prefetched(self, future: concurrent.futures.Future[Any], group: list[Entry], owner: Any,
+                    landed: concurrent.futures.Future[None]) -> None:
+        try:
+            try:
+                blobs = future.result()
+            except Exception:
+                blobs = [None] * len(group)
+            for entry, blob in zip(group, blobs):
+                if blob is not None and self._promote(entry.key, blob, entry.shape, entry.dtype) \
+                        and owner is not None:
+                    # Pinned under (owner, key) so release(owner) can find it.
+                    self.memory.pin(entry.key, (owner, entry.key), timeout_s=self.pin_timeout_s)
+        finally:
+            with self._lock:
+                for entry in group:
+                    if self._prefetching.get(entry.key) is landed:
+                        del self._prefetching[entry.key]
+            landed.set_result(None)
+
+    def prefetch_pending(self, owner: Any) -> bool:
+        """Whether chunks a lookup by ``owner`` found in byte tiers are still on their way to memory."""
+        with self._lock:
+            keys = list(self._prefetch_owner.get(owner, []))
+            return any(not self._prefetching[k].done() for k in keys if k in self._prefetching)
+
+    def _promote(self, key: str, blob: Any, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+        """Copy a byte-tier payload into the staging tier; raw payloads are decoded on the way."""
+        memory = self.memory
+        if memory.contains(key):
+            return True
+        try:
+            header = payloads.read_header(blob)
+        except payloads.PayloadError:
+            self._counters.count("corrupt_payloads")
+            return False
+        if header.codec == "none":
+            obj = memory.allocate(shape, dtype)
+            if obj is None:
+                return False
+            try:
+                payloads.decode_into(blob, obj.tensor)
+            except payloads.PayloadError:
+                obj.ref_down()
+                self._counters.count("corrupt_payloads")
+                return False
+        else:
+            try:
+                obj = memory.allocate_bytes(len(blob))
+            except ValueError:  # larger than a slab: leave it in its tier
+                return False
+            if obj is None:
+                return False
+            obj.view_bytes()[:] = blob
+            obj.meta["codec"] = header.codec
+        admitted = memory.put(key, obj)
+        obj.ref_down()
+        if admitted:
+            self._emit("admit", self.staging, key)
+        self._counters.count("promotions")
+        return True
+
+    # -- events ------------------------------------------------------------------
+
+    def subscribe(self, observer: Callable[[TierEvent], None]) -> None:
+        """Call ``observer`` with every admit, evict and remove of an object tier.
+
+        Called on whichever thread made the change, outside tier locks; it must
+        be quick and must not raise (a controller queues the event and returns).
+        """
+        self._observers.append(observer)
+        for name, objects in self._objects.items():
+            objects.on_evict = lambda key, name=name: self._emit("evict", name, key)
+
+    def _emit(self, kind: Literal["admit", "evict", "remove"], tier: str, key: str) -> None:
+        if not self._observers:
+            return
+        event = TierEvent(kind, tier, key)
+        for observer in list(self._observers):
+            try:
+                observer(event)
+            except Exception:  # an observer never breaks the data path
+                log.debug("flowkv: tier event observer failed", exc_info=True)
+
+    # -- health, stats, shutdown ----------------------------------------------
+
+    def health(self) -> dict[str, TierHealth]:
+        """Each tier's state: object tiers are always healthy; a byte tier is skipped while unhealthy."""
+        states = {name: TierHealth.HEALTHY for name in self._objects}
+        states.update({name: tier.state for name, tier in self.guarded.items()})
+        return {name: states[name] for name in self.order}
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Counters of each tier (byte tiers: guard, tier and write-behind counters)."""
+        out: dict[str, dict[str, Any]] = {}
+        for name in self.order:
+            objects = self._objects.get(name)
+            if objects is not None:
+                numbers = objects.stats()
+                out[name] = attrs.asdict(numbers) if attrs.has(type(numbers)) else dict(numbers)
+            else:
+                out[name] = {**self.guarded[name].stats(), **self._write_behind[name].stats()}
+        return out
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until write-behind queues are empty; False if the timeout came first."""
+        deadline = time.monotonic() + timeout_s
+        for queue in self._write_behind.values():
+            if not queue.wait_empty(max(0.0, deadline - time.monotonic())):
+                return False
+        return True
+
+    def close(self) -> None:
+        """Flush write-behind (briefly), close byte tiers, then free the object tiers."""
+        self.flush(timeout_s=5.0)
+        for name, tier in self.guarded.items():
+            try:
+                portal.call(tier.aclose, timeout_s=self._timeout_s[name] + 1.0)
+            except Exception:  # closing must not raise into the inference engine
+                log.warning("flowkv: closing tier %s failed", name, exc_info=True)
+        for objects in self._objects.values():
+            objects.close()
+
+    def _call(self, tier: str, method: str, *args: Any, default: Any) -> Any:
+        try:
+            return portal.call(getattr(self.guarded[tier], method), *args, timeout_s=self._timeout_s[tier] + 1.0)
+        except Exception:  # the guard answers misses itself; this covers the portal's own timeout
+            self._counters.count(f"tier_call_failures.{tier}")
+            return default
+
+
+def _found_in(name: str, objects: ObjectTier, key: str) -> Found | None:
+    obj = objects.get(key)
+    if obj is None:
+        return None
+    if "codec" in obj.meta:
+        return Found(tier=name, obj=obj, payload=obj.view_bytes()[: obj.meta["encoded_len"]])
+    return Found(tier=name, obj=obj, kv=obj.tensor)

@@ -1,0 +1,186 @@
+"""The storage manager (flowkv.tiers.chain) on its own, and a user's tier written to the public contract.
+
+The manager is built the way the engine builds it: tier instances in lookup
+order, memory included. The byte tier here is ``DictTier`` below: what a
+user writes (public names only, no OpenTelemetry), also named in a pipeline
+file by ``"test_storage_manager:DictTier"`` and driven through the engine.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import attrs
+import pytest
+import torch
+
+import flowkv
+from flowkv import CacheEngine, KVTransfer
+from flowkv import payload as payloads
+from flowkv.kernels import KVGeometry, gather
+from flowkv.pipeline import dumps_pipeline, loads_pipeline
+from flowkv.testing import make_paged_kv, random_slot_mapping
+from flowkv.tiers import MemoryTier, MemoryTierConfig, StorageManager, Tier, TierHealth
+from flowkv.tiers.chain import Entry, TierEvent
+
+SHAPE = (2, 2, 64, 2, 16)  # one chunk (layers, kv, tokens, heads, head size): 16 KiB of fp16
+SLAB = 16 * 1024  # one raw chunk: four fit in memory
+
+
+# -- a user's tier: the whole of it -----------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class DictTierConfig:
+    max_entries: int = 1000
+
+
+@flowkv.tier("dict-test", config=DictTierConfig)
+class DictTier(Tier):
+    """Payloads in a dict; a byte tier like disk or Redis, for tests."""
+
+    def __init__(self, *, name: str, config: DictTierConfig) -> None:
+        self.name = name
+        self.config = config
+        self.data: dict[str, bytes] = {}
+
+    async def exists(self, keys: list[str]) -> list[bool]:
+        return [key in self.data for key in keys]
+
+    async def get(self, keys: list[str]) -> list[bytes | None]:
+        return [self.data.get(key) for key in keys]
+
+    async def put(self, entries: list[tuple[str, bytes]]) -> None:
+        for key, blob in entries:
+            if len(self.data) < self.config.max_entries:
+                self.data.setdefault(key, bytes(blob))
+
+    async def aclose(self) -> None:
+        self.data.clear()
+
+
+def test_a_user_tier_is_short_and_uses_only_public_names():
+    source = inspect.getsource(DictTierConfig) + inspect.getsource(DictTier)
+    assert len(source.splitlines()) < 40
+    assert "opentelemetry" not in source and "._" not in source and "flowkv._" not in source
+
+
+# -- the manager ---------------------------------------------------------------------
+
+
+def manager(**byte_tiers: DictTier) -> StorageManager:
+    memory = MemoryTier(name="memory", config=MemoryTierConfig(capacity=4 * SLAB, pin_memory=False))
+    return StorageManager({"memory": memory, **byte_tiers}, slab_bytes=SLAB)
+
+
+def dict_tier(name: str) -> DictTier:
+    return DictTier(name=name, config=DictTierConfig())
+
+
+def chunk(seed: int) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(torch.float16)
+
+
+def store_in_memory(storage: StorageManager, key: str, kv: torch.Tensor) -> None:
+    obj = storage.allocate(kv.shape, kv.dtype)
+    obj.tensor.copy_(kv)
+    assert storage.put("memory", key, obj=obj) == kv.nbytes
+    obj.ref_down()
+
+
+def test_memory_is_built_like_any_tier_and_opened_with_the_slab():
+    storage = manager(disk=dict_tier("disk"))
+    assert storage.order == ("memory", "disk")
+    assert storage.staging == "memory" and storage.holds_objects("memory") and not storage.holds_objects("disk")
+    assert storage.memory.arena.slab_bytes == SLAB
+    assert storage.health() == {"memory": TierHealth.HEALTHY, "disk": TierHealth.HEALTHY}
+    assert set(storage.stats()) == {"memory", "disk"}
+
+
+def test_find_answers_the_first_tier_in_order_and_skips_what_it_is_told():
+    disk, remote = dict_tier("disk"), dict_tier("remote")
+    storage = manager(disk=disk, remote=remote)
+    store_in_memory(storage, "k0", chunk(0))
+    disk.data["k1"] = payloads.encode(chunk(1), "none")
+    remote.data["k1"] = remote.data["k2"] = payloads.encode(chunk(2), "none")
+    assert storage.find(["k0", "k1", "k2", "k3"]) == ["memory", "disk", "remote", None]
+    assert storage.find(["k0", "k1", "k2"], skip=[False, True, False]) == ["memory", None, "remote"]
+    assert storage.find(["k0", "k1", "k2"], tiers=["remote"]) == [None, "remote", "remote"]
+
+
+@pytest.mark.parametrize("promote", [True, False])
+def test_promotion_is_the_callers_choice(promote):
+    disk = dict_tier("disk")
+    storage = manager(disk=disk)
+    kv = chunk(3)
+    disk.data["k"] = payloads.encode(kv, "none")
+    found = storage.read(Entry("k", "disk", tuple(kv.shape), kv.dtype), promote=promote)
+    assert storage.contains("k") is promote
+    if promote:
+        assert found.tier == "memory" and torch.equal(found.kv, kv)
+        found.obj.ref_down()
+    else:
+        assert found.tier == "disk" and found.obj is None
+        assert torch.equal(payloads.decode(found.payload), kv)
+
+
+def test_put_writes_the_named_byte_tier_behind():
+    disk = dict_tier("disk")
+    storage = manager(disk=disk)
+    kv = chunk(4)
+    assert storage.put("disk", "k", kv=kv) > 0
+    assert storage.flush(10.0)
+    assert torch.equal(payloads.decode(disk.data["k"]), kv)
+    assert not storage.contains("k")
+
+
+def test_observers_see_admits_evictions_and_removals():
+    storage = manager()
+    events: list[TierEvent] = []
+    storage.subscribe(events.append)
+    for index in range(5):  # four fit: the fifth evicts the oldest
+        store_in_memory(storage, f"k{index}", chunk(index))
+    assert storage.remove("k4")
+    kinds = [(e.kind, e.key) for e in events]
+    assert kinds[:4] == [("admit", f"k{i}") for i in range(4)]
+    assert ("evict", "k0") in kinds and ("admit", "k4") in kinds and kinds[-1] == ("remove", "k4")
+    assert all(e.tier == "memory" for e in events)
+
+
+def test_pins_keep_object_hits_until_released():
+    storage = manager()
+    store_in_memory(storage, "k", chunk(5))
+    storage.pin([("k", "memory"), ("elsewhere", "disk"), ("masked", None)], "lookup-1")
+    assert storage.stats()["memory"]["pinned_objects"] == 1
+    storage.release("lookup-1")
+    assert storage.stats()["memory"]["pinned_objects"] == 0
+
+
+# -- the user's tier in a pipeline, through the engine -----------------------------------
+
+
+def test_the_user_tier_serves_an_engine_from_a_pipeline_file():
+    g = KVGeometry("cpu", num_layers=2, num_kv_heads=2, head_size=16, block_size=16, dtype=torch.bfloat16)
+    text = dumps_pipeline(
+        pipeline={"name": "dict", "chunk_size": 32},
+        tiers={"memory": {"kind": "memory", "capacity": "4MiB", "pin_memory": False},
+               "mine": {"kind": f"{__name__}:DictTier", "max_entries": 100, "timeout_s": 5.0}},
+        store=["tokenize", "chunk-hash", "allocate", "gather", "put"],
+        retrieve=["tokenize", "chunk-hash", "lookup", ("get", {"promote": False}), "decompress", "scatter"],
+    )
+    engine = CacheEngine(loads_pipeline(text), geometry=g, model_name="tiny")
+    try:
+        tokens = torch.arange(96)
+        src, dst = make_paged_kv(g, 16, seed=1), make_paged_kv(g, 16, seed=2, fill=False)
+        slots = random_slot_mapping(96, g, 16, seed=3)
+        assert engine.store(KVTransfer(tokens=tokens, kv_caches=src, slot_mapping=slots)).stored_tokens == 96
+        assert engine.flush(10.0)
+        engine.memory.clear()
+        result = engine.retrieve(KVTransfer(tokens=tokens, kv_caches=dst, slot_mapping=slots))
+        assert result.loaded_to == 96 and result.failed_range is None
+        assert engine.stats()["tier.mine.read_bytes"] > 0
+        assert len(engine.memory) == 0  # promote = false: read from the user's tier, not copied up
+        out = [torch.empty(g.chunk_shape(96), dtype=g.dtype) for _ in range(2)]
+        assert torch.equal(gather(dst, g, slots, out[0]), gather(src, g, slots, out[1]))
+    finally:
+        engine.close()
