@@ -73,8 +73,11 @@ class LeaseTable:
         return session
 
     def close(self, session: Session) -> None:
-        """The connection ended: its leases run out ``lease_timeout_s`` from now."""
+        """The connection ended: its leases run out ``lease_timeout_s`` from now (a session that
+        holds nothing, of a client that never pinned, is forgotten at once)."""
         session.closed_at = time.monotonic()
+        if not session.handles and session.client not in self.owners:
+            del self.sessions[session.id]
 
     def add(self, session: Session, kind: Literal["alloc", "read"], obj: Any) -> int:
         handle = Handle(next(self._ids), session, kind, obj)
@@ -125,7 +128,7 @@ class LeaseTable:
         alloc = sum(h.kind == "alloc" for h in self.handles.values())
         return {
             "connected": sum(s.closed_at is None for s in self.sessions.values()),
-            # connections that ended less than lease_timeout_s ago (their leases still held)
+            # connections that ended less than lease_timeout_s ago, holding rooms, reads or pins
             "disconnected": sum(s.closed_at is not None for s in self.sessions.values()),
             "allocations_held": alloc,
             "reads_held": len(self.handles) - alloc,
