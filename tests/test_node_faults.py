@@ -94,8 +94,28 @@ def test_a_client_killed_mid_store_is_reclaimed_after_the_lease_timeout_and_noth
     assert after["memory"]["pinned_entries"] == 0
     assert after["memory"]["used_bytes"] == 5 * CHUNK_BYTES and after["memory"]["entries"] == 5
     assert after["requests"].get("request_errors", 0) == 0
-    # The reclaimed rooms hold a store again.
+    # The reclaimed rooms hold a store again; this client, idle all along, was never dropped.
     assert e.store(torch.arange(200000, 200000 + TOKENS), kv_caches=kv_for(2), slot_mapping=slots_for(TOKENS)) == TOKENS
+    assert e.stats()["tiers"]["node"]["connects"] == 1
+    e.close()
+
+
+def test_a_hung_server_costs_one_bounded_call_then_misses_until_it_answers_again(node_servers, tmp_path):
+    node = node_servers("hung")
+    e = engine(node_pipeline(tmp_path, node.socket, timeout_s=0.5))
+    ids, slots = torch.arange(TOKENS), slots_for(TOKENS)
+    assert e.store(ids, kv_caches=kv_for(9), slot_mapping=slots) == TOKENS
+    os.kill(node.pid, signal.SIGSTOP)
+    try:
+        assert e.lookup(ids) == 0  # waits timeout_s once, then gives up on the connection
+        assert e.store(torch.arange(1000, 1000 + TOKENS), kv_caches=kv_for(9), slot_mapping=slots) == 0
+        tier = e.stats()["tiers"]["node"]
+        assert tier["timeouts"] == 1 and tier["failures"] == 1 and tier["skipped"] >= 1
+    finally:
+        os.kill(node.pid, signal.SIGCONT)
+    assert wait_for(lambda: e.lookup(ids), "the client to reconnect to the same server") == TOKENS
+    tier = e.stats()["tiers"]["node"]
+    assert tier["connects"] == 2 and tier["remaps"] == 0 and tier["timeouts"] == 1
     e.close()
 
 

@@ -206,8 +206,10 @@ class StorageManager:
             objects = self._objects.get(name)
             if objects is not None:
                 # With ``pin``, lookup and pin are one call (one round trip to a node server).
-                answers = objects.contains_many(wanted, pin_owner=pin, pin_timeout_s=self.pin_timeout_s)
-                if pin is not None:
+                if pin is None:
+                    answers = objects.contains_many(wanted)
+                else:
+                    answers = objects.contains_many(wanted, pin_owner=pin, pin_timeout_s=self.pin_timeout_s)
                     pinned[name] = [i for i, present in zip(todo, answers) if present]
             else:
                 answers = self._call(name, "exists", wanted, default=[False] * len(todo))
