@@ -39,6 +39,8 @@ def add_commands(sub: Any) -> None:
     parser.add_argument("--max-pin", type=float, default=60.0, help="longest a lookup's pin may last, seconds")
     parser.add_argument("--slab", help="the largest chunk, e.g. 256MiB (default: the smaller of that and --memory)")
     parser.add_argument("--shm-dir", default="/dev/shm", help="where the shared segment is created")
+    parser.add_argument("--name", help="a stable name for this cache (a fleet controller's holder id); "
+                        "default HOST:SOCKET")
     parser.add_argument("--json", action="store_true", help="status: print JSON")
     parser.add_argument("--timeout", type=float, default=5.0, help="status: seconds to wait for the server")
     parser.set_defaults(func=run)
@@ -80,7 +82,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     options = ServerOptions(socket_path=args.socket, memory_bytes=memory, pipeline=pipeline,
                             lease_timeout_s=args.lease_timeout, max_pin_s=args.max_pin, slab_bytes=slab,
-                            metrics_port=args.metrics_port, metrics_host=args.metrics_host, shm_dir=args.shm_dir)
+                            metrics_port=args.metrics_port, metrics_host=args.metrics_host, shm_dir=args.shm_dir,
+                            name=args.name)
     try:
         server = NodeServer(options)
     except (OSError, ValueError, MemoryError) as exc:

@@ -92,8 +92,10 @@ class ServerOptions:
     def __init__(self, *, socket_path: str | os.PathLike[str], memory_bytes: int, pipeline: Pipeline | None = None,
                  lease_timeout_s: float = 30.0, max_pin_s: float = 60.0, slab_bytes: int | None = None,
                  metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
-                 shm_dir: str | os.PathLike[str] = "/dev/shm", workers: int = 4) -> None:
+                 shm_dir: str | os.PathLike[str] = "/dev/shm", workers: int = 4, name: str | None = None) -> None:
         self.socket_path = Path(socket_path)
+        #: a stable name for this node's cache (a fleet controller's holder id); the id changes every start
+        self.name = name or f"{socket.gethostname()}:{self.socket_path}"
         self.memory_bytes = int(memory_bytes)
         self.pipeline = pipeline
         self.lease_timeout_s = float(lease_timeout_s)
@@ -328,7 +330,8 @@ class NodeServer:
         if session.pid is None and isinstance(message.get("pid"), int):
             session.pid = message["pid"]
         self.counters.count("hellos")
-        return {"version": wire.PROTOCOL_VERSION, "server": self.server_id, "segment": str(self.segment_path),
+        return {"version": wire.PROTOCOL_VERSION, "server": self.server_id, "name": self.options.name,
+                "segment": str(self.segment_path),
                 "segment_bytes": self.options.memory_bytes, "inode": self.inode,
                 "page_bytes": self.memory.arena.page_bytes, "slab_bytes": self.memory.arena.slab_bytes,
                 "lease_timeout_s": self.options.lease_timeout_s}
@@ -551,6 +554,7 @@ class NodeServer:
         arena = self.memory.arena
         return {
             "server": self.server_id,
+            "name": self.options.name,
             "pid": os.getpid(),
             "socket": str(self.options.socket_path),
             "segment": str(self.segment_path),
