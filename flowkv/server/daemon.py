@@ -408,8 +408,11 @@ class NodeServer:
             raise RequestError("commit needs 'items': [handle, key, nbytes, meta] each")
         admitted = []
         for item in items:
-            handle_id, key, nbytes, meta = item
-            handle = self.leases.take(session, handle_id, "alloc")
+            try:
+                handle_id, key, nbytes, meta = item
+            except (TypeError, ValueError):
+                handle_id = key = nbytes = meta = None
+            handle = self.leases.take(session, handle_id, "alloc") if isinstance(handle_id, int) else None
             if handle is None:
                 self.counters.count("commit_unknown_handles")
                 admitted.append(False)
