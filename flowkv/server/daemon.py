@@ -308,6 +308,10 @@ class NodeServer:
             if span is not None:
                 span.set_attribute("flowkv.error", f"{type(exc).__name__}: {exc}")
             return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        except Exception as exc:  # a defect: answered and logged, the server and the connection go on
+            log.exception("flowkv server: %s from %s failed", op, session.client)
+            self.counters.count("request_failures")
+            return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         finally:
             if span is not None:
                 span.end()
