@@ -15,10 +15,12 @@ the tiers' order. Keys are printable strings (``CacheKey.to_str()``, e.g.
   (:class:`flowkv.tiers.GuardedTier`) and written behind a bounded queue, so
   a slow or failing tier never stalls inference. Blocking work (file I/O,
   checksums of large payloads) goes to ``anyio.to_thread.run_sync``.
-- an **object tier** (:class:`ObjectTier`; ``memory``, and a node server's
-  shared arena later) holds host-memory objects that the kernels gather into
+- an **object tier** (:class:`ObjectTier`; ``memory``, and ``server``, a node
+  server's shared arena) holds host-memory objects that the kernels gather into
   and scatter from directly. Its methods are synchronous and quick (no I/O
-  wait): store stages allocate there, fill the object, and commit it.
+  wait; a remote one bounded by its timeout): store stages allocate there,
+  fill the object, and commit it. Batches (``contains_many``, ``allocate_each``,
+  ``put_many``, ``get_many``, ``release_objects``) make one call per request.
 
 A user's own byte tier::
 
@@ -144,8 +146,8 @@ class TierObject(Protocol):
 class ObjectTier(abc.ABC):
     """An object tier: holds :class:`TierObject` s that kernels gather into and scatter from.
 
-    Contract, for every implementation (``memory``, and later a node
-    server's shared arena reached over a socket):
+    Contract, for every implementation (``memory``, and ``server``: a node
+    server's shared arena reached over a socket, :mod:`flowkv.tiers.server`):
 
     - ``open(slab_bytes=...)`` is called once, before any other method, with
       the largest object the engine will allocate (one raw chunk and a margin
