@@ -10,7 +10,8 @@
   file exists, so a test can kill a client, or let two clients commit at once,
   while their rooms are allocated and not committed.
 - ``geometry``, ``kv_for``: the small KV geometry and deterministic paged KV
-  the engine-level clients share (two processes with one seed see the same KV).
+  the engine-level clients share (two processes with one seed see the same KV);
+  ``engine`` and ``keys_of`` for the tests' own engines.
 """
 
 from __future__ import annotations
@@ -221,6 +222,18 @@ def slots_for(num_tokens: int, num_blocks: int = 64) -> torch.Tensor:
     from flowkv._testing.paged import random_slot_mapping
 
     return random_slot_mapping(num_tokens, geometry(), num_blocks, seed=99)
+
+
+def engine(pipeline: Path, model: str = "m") -> Any:
+    """An engine on ``pipeline`` with the tests' geometry."""
+    from flowkv import CacheEngine
+
+    return CacheEngine.from_pipeline(pipeline, geometry=geometry(), model_name=model)
+
+
+def keys_of(engine: Any, ids: torch.Tensor, tags: dict[str, str] | None = None) -> list[str]:
+    """The tier keys of ``ids``' chunks under ``engine``'s key prefix."""
+    return [k.to_str() for k in engine.keys.of(ids, tags or {}, None)]
 
 
 def chunk_kv(kv_caches: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:

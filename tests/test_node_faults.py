@@ -24,7 +24,8 @@ from node_servers import (  # noqa: F401 - node_servers is a fixture
     ROOT,
     NodeServerProcess,
     chunk_kv,
-    geometry,
+    engine,
+    keys_of,
     kv_for,
     node_pipeline,
     node_servers,
@@ -33,7 +34,7 @@ from node_servers import (  # noqa: F401 - node_servers is a fixture
     wait_for,
 )
 
-from flowkv import CacheEngine, KVTransfer
+from flowkv import KVTransfer
 from flowkv.tiers.disk import key_digest
 
 CLIENT = str(Path(__file__).resolve().parent / "node_client.py")
@@ -42,12 +43,6 @@ CHUNK_BYTES = CHUNK * 1024
 LEASE_S = 6.0
 
 
-def engine(pipeline: Path) -> CacheEngine:
-    return CacheEngine.from_pipeline(pipeline, geometry=geometry(), model_name="m")
-
-
-def keys_of(e: CacheEngine, ids: torch.Tensor) -> list[str]:
-    return [k.to_str() for k in e.keys.of(ids, {}, None)]
 
 
 def test_a_client_killed_mid_store_is_reclaimed_after_the_lease_timeout_and_nothing_it_held_is_served(

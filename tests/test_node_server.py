@@ -24,7 +24,9 @@ from node_servers import (  # noqa: F401 - node_servers is a fixture
     HOLD_TAG,
     ROOT,
     chunk_kv,
+    engine,
     geometry,
+    keys_of,
     kv_for,
     node_pipeline,
     node_servers,
@@ -33,7 +35,7 @@ from node_servers import (  # noqa: F401 - node_servers is a fixture
     wait_for,
 )
 
-from flowkv import CacheEngine, KVTransfer
+from flowkv import KVTransfer
 from flowkv.tiers.node_protocol import NodeConnection
 
 CLIENT = str(Path(__file__).resolve().parent / "node_client.py")
@@ -51,9 +53,6 @@ def pipeline(server, tmp_path_factory):
     return node_pipeline(tmp_path_factory.mktemp("pipelines"), server.socket)
 
 
-def engine(pipeline, model="m"):
-    return CacheEngine.from_pipeline(pipeline, geometry=geometry(), model_name=model)
-
 
 def client(pipeline, action, *args: str) -> dict:
     """Run ``node_client.py`` in a process of its own; its JSON answer."""
@@ -66,9 +65,6 @@ def client(pipeline, action, *args: str) -> dict:
 def tokens(first: int = 0, n: int = TOKENS) -> torch.Tensor:
     return torch.arange(first, first + n)
 
-
-def keys_of(e: CacheEngine, ids: torch.Tensor, tags=None) -> list[str]:
-    return [k.to_str() for k in e.keys.of(ids, tags or {}, None)]
 
 
 def test_a_chunk_one_process_stored_is_read_by_another_from_the_shared_pages(server, pipeline):
