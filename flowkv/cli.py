@@ -64,9 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     from flowkv import quality, tracetools
     from flowkv.fleet import commands as fleet
 
+    from flowkv.server import cli as server_cli
+
     tracetools.add_commands(sub)
     quality.add_commands(sub)
     fleet.add_commands(sub)
+    server_cli.add_commands(sub)
     demo = sub.add_parser("demo", help="the main job: vLLM with flowkv on a long-document QA workload")
     demo_module.add_arguments(demo)
     demo.set_defaults(func=demo_module.run)

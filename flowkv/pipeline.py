@@ -473,12 +473,19 @@ class _Loader:
             self.error(("telemetry", "exporter"),
                        "exporter 'otlp' needs an endpoint (e.g. endpoint = \"http://localhost:4317\")",
                        "missing-key")
-        memory_tiers = [name for name, spec in tiers.items() if spec.info.holds == "objects"]
-        if tiers and len(memory_tiers) != 1:
-            where = ("tiers", memory_tiers[1]) if memory_tiers else ("tiers",)
-            self.error(where, f"declare exactly one tier of kind 'memory' (found {len(memory_tiers)}"
-                       f"{': ' + ', '.join(memory_tiers) if memory_tiers else ''}): store stages chunks there",
-                       "graph")
+        object_tiers = [name for name, spec in tiers.items() if spec.info.holds == "objects"]
+        if tiers and not object_tiers:
+            self.error(("tiers",), "declare a tier that holds objects, of kind 'memory' or 'server' (found none): "
+                       "store stages chunks in the first one", "graph")
+        # Object tiers of different kinds may chain (memory -> server: a copy step between them);
+        # two of one kind would hold the same chunks twice in the same place.
+        by_kind: dict[str, list[str]] = {}
+        for name in object_tiers:
+            by_kind.setdefault(tiers[name].kind, []).append(name)
+        for kind, names in by_kind.items():
+            if len(names) > 1:
+                self.error(("tiers", names[1]), f"declare at most one tier of kind '{kind}' (found {len(names)}: "
+                           f"{', '.join(names)}): object tiers of one kind would hold the same chunks twice", "graph")
         if "tiers" in raw and not raw["tiers"]:
             self.error(("tiers",), "declare at least one tier", "missing-key")
         for kind, specs in lists.items():

@@ -136,3 +136,45 @@ def test_a_node_servers_chunks_count_for_every_instance_that_reads_through_it(co
         if follower.poll() is None:
             follower.terminate()
             follower.wait(timeout=30)
+
+
+@pytest.mark.vllm
+def test_vllm_through_a_node_server_is_found_by_the_controller_and_so_is_every_instance_sharing_it(
+        controller, node_servers, tmp_path):
+    pytest.importorskip("vllm")
+    from vllm_helpers import CHUNK_SIZE, generate, make_llm, random_tokens, request, shutdown_llm
+
+    from flowkv.fleet.protocol import Registration, TierInfo
+    from flowkv.fleet.reporter import Reporter, new_session
+
+    server = node_servers("vllm-fleet", memory="64MiB")
+    name = default_server_name(server.socket)
+    follower = node_report(controller, server.socket, tmp_path)
+    section = {"url": controller.url, "instance_id": "v", "heartbeat_s": 0.3,
+               "token_file": str(controller.token_file), "advertise_url": "http://v.invalid"}
+    pipeline = node_pipeline(tmp_path, server.socket, name="node-fleet", chunk_size=CHUNK_SIZE,
+                             sections={"controller": section})
+    llm = make_llm({"pipeline": str(pipeline)})
+    other = None
+    try:
+        registered = wait_for(lambda: controller.instance("v"), "the vLLM instance is registered")
+        assert registered["shared"] == [name] and registered["kind"] == "vllm"
+        doc = random_tokens(500, 4 * CHUNK_SIZE)
+        generate(llm, [request(doc + random_tokens(501, 20))])
+        got = wait_for(lambda: (lambda r: r if r.get("v", {}).get("matched_tokens") == len(doc) else None)(
+            answers(controller, torch.tensor(doc))), "the controller knows the document vLLM served")
+        assert got["v"]["chunks_by_tier"] == {f"{name}/memory": 4}
+        # Another instance on the node, reading through the same server, holds it as well.
+        other = Reporter(ReporterConfig(url=controller.url, heartbeat_s=0.3, token_file=str(controller.token_file)),
+                         Registration(instance_id="w", session=new_session(), model=registered["model"],
+                                      key_model=registered["key_model"], chunk_size=registered["chunk_size"],
+                                      hash=registered["hash"], shared=[name],
+                                      tiers=[TierInfo(name="node", kind="server")])).start()
+        assert other.wait_idle(60)
+        assert answers(controller, torch.tensor(doc))["w"]["matched_tokens"] == len(doc)
+    finally:
+        if other is not None:
+            other.close()
+        shutdown_llm(llm)
+        follower.terminate()
+        follower.wait(timeout=30)
