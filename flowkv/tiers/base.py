@@ -200,7 +200,8 @@ class ObjectTier(abc.ABC):
     def contains(self, key: str) -> bool:
         """Whether ``key`` is held."""
 
-    def contains_many(self, keys: list[str], *, pin_owner: Any = None, pin_timeout_s: float = 30.0) -> list[bool]:
+    def contains_many(self, keys: list[str], *, pin_owner: Any = None, pin_timeout_s: float = 30.0,
+                      pin_now: float | None = None) -> list[bool]:
         """One bool per key; with ``pin_owner``, every key held is pinned for it too.
 
         A remote object tier answers (and pins) in one round trip: this is its
@@ -208,7 +209,7 @@ class ObjectTier(abc.ABC):
         """
         held = [self.contains(key) for key in keys]
         if pin_owner is not None:
-            held = [h and self.pin(key, pin_owner, timeout_s=pin_timeout_s) for key, h in zip(keys, held)]
+            held = [h and self.pin(key, pin_owner, timeout_s=pin_timeout_s, now=pin_now) for key, h in zip(keys, held)]
         return held
 
     @abc.abstractmethod

@@ -230,7 +230,8 @@ class StorageManager:
                 if pin is None:
                     answers = objects.contains_many(wanted)
                 else:
-                    answers = objects.contains_many(wanted, pin_owner=pin, pin_timeout_s=self.pin_timeout_s)
+                    answers = objects.contains_many(wanted, pin_owner=pin, pin_timeout_s=self.pin_timeout_s,
+                                                    pin_now=self.clock.now())
                     pinned[name] = [i for i, present in zip(todo, answers) if present]
             else:
                 answers = self._call(name, "exists", wanted, default=[False] * len(todo))
@@ -244,6 +245,7 @@ class StorageManager:
                 beyond = [keys[i] for i in indices if i >= end]
                 if beyond:
                     self._objects[name].unpin_many(beyond, pin)
+            self._start_pin_timer()
         return found
 
     def contains(self, key: str) -> bool:

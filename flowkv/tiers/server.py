@@ -249,7 +249,8 @@ class ServerTier(ObjectTier):
     def contains(self, key: str) -> bool:
         return self.contains_many([key])[0]
 
-    def contains_many(self, keys: list[str], *, pin_owner: Any = None, pin_timeout_s: float = 30.0) -> list[bool]:
+    def contains_many(self, keys: list[str], *, pin_owner: Any = None, pin_timeout_s: float = 30.0,
+                      pin_now: float | None = None) -> list[bool]:
         """Held per key, in one round trip; with ``pin_owner`` the server pins the leading run it holds."""
         if not keys:
             return []
