@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -55,8 +56,11 @@ def run(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from flowkv.sizes import parse_size
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from flowkv.logs import LEVEL_ENV, setup_logging
+
+    setup_logging()  # flowkv's line format (the flowkv command has set it up already)
+    if not os.environ.get(LEVEL_ENV, "").strip():
+        logging.getLogger("flowkv").setLevel(logging.INFO)  # a daemon says when it starts, reclaims, stops
     if not args.memory:
         print("flowkv server: --memory SIZE is required (the shared arena, e.g. 16GiB)", file=sys.stderr)
         return 2
