@@ -100,6 +100,9 @@ def test_status_command_and_prometheus_metrics(server, pipeline):
     assert status["memory"]["used_bytes"] + status["memory"]["free_bytes"] == status["memory"]["capacity_bytes"]
     assert status["clients"]["connected"] == 1  # the status command itself
     assert status["health"] == {"memory": "healthy"}
+    # The arena's shared pages were made resident at start (in the background), all of them.
+    done_status = wait_for(lambda: (s := server.status())["memory"]["prefault"] == "done" and s, "the pre-fault")
+    assert done_status["memory"]["resident_bytes"] >= done_status["memory"]["capacity_bytes"]
     text = subprocess.run([sys.executable, "-m", "flowkv.cli", "server", "status", "--socket", str(server.socket)],
                           capture_output=True, text=True, cwd=ROOT, timeout=60).stdout
     assert f"{status['memory']['entries']} entries" in text and "1 connected" in text
@@ -107,6 +110,7 @@ def test_status_command_and_prometheus_metrics(server, pipeline):
     entries = server.status()["memory"]["entries"]
     assert f"flowkv_server_memory_entries {entries}" in metrics
     assert "# TYPE flowkv_server_committed_chunks_total counter" in metrics
+    assert f"flowkv_server_memory_resident_bytes {done_status['memory']['resident_bytes']}" in metrics
 
 
 def test_models_and_tags_never_share_an_entry(server, pipeline):
