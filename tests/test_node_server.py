@@ -9,6 +9,7 @@ Faults (processes killed, servers restarted, corrupt disk) are in
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -323,3 +324,15 @@ def test_sigterm_drains_write_behind_and_removes_socket_and_segment(node_servers
     assert e.lookup(tokens(0)) == 0  # gone: a miss, at once
     assert e.storage.health()["node"].value == "unhealthy"
     e.close()
+
+
+def test_an_arena_larger_than_its_shared_memory_filesystem_is_refused_at_start(tmp_path):
+    # A sparse segment past the filesystem's room would SIGBUS the first vLLM that writes there.
+    info = os.statvfs(tmp_path)
+    too_big = info.f_bavail * info.f_frsize + (1 << 30)
+    done = subprocess.run([sys.executable, "-m", "flowkv.cli", "server", "--socket", str(tmp_path / "n.sock"),
+                           "--memory", str(too_big), "--shm-dir", str(tmp_path)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 1
+    assert "cannot start" in done.stderr and f"does not fit {tmp_path}" in done.stderr
+    assert list(tmp_path.iterdir()) == []  # neither a segment nor a socket

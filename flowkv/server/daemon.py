@@ -157,7 +157,18 @@ class NodeServer:
     # -- the segment -----------------------------------------------------------
 
     def _create_segment(self) -> ResidentBuffer:
-        """The arena's named shared memory, pre-faulted (``--prefault``) within the machine's free memory."""
+        """The arena's named shared memory, pre-faulted (``--prefault``) within the machine's free memory.
+
+        A shared-memory file is sparse: one larger than the room left in its
+        filesystem (a container's 64 MiB ``/dev/shm``) is created without
+        complaint, and the first write past that room kills the writer with
+        SIGBUS — a vLLM gathering into it. So the room is checked first.
+        """
+        room = _free_bytes(self.options.shm_dir)
+        if room is not None and room < self.options.memory_bytes:
+            raise ValueError(f"--memory {self.options.memory_bytes / 2**30:.2f} GiB does not fit "
+                             f"{self.options.shm_dir}: {room / 2**30:.2f} GiB free there (df -h "
+                             f"{self.options.shm_dir}; in a container, --shm-size)")
         prefix = wire.segment_prefix(self.options.socket_path)
         path = self.options.shm_dir / f"{prefix}{os.getpid()}-{secrets.token_hex(4)}"
         try:
@@ -587,6 +598,15 @@ class NodeServer:
 
 
 # -- helpers -----------------------------------------------------------------------------
+
+
+def _free_bytes(folder: Path) -> int | None:
+    """Bytes an unprivileged file may still take in ``folder``'s filesystem (None: unknown)."""
+    try:
+        info = os.statvfs(folder)
+    except OSError:
+        return None
+    return info.f_bavail * info.f_frsize
 
 
 def _describe(obj: Any, key: str, nbytes: Any, meta: Any) -> None:
