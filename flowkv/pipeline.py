@@ -43,6 +43,7 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
 from flowkv import pipeline_model, registry
 from flowkv._tomlpos import key_positions, locate
 from flowkv.pipeline_model import (
+    ControllerSpec,
     Diagnostic,
     LayerwiseSpec,
     Location,
@@ -143,6 +144,7 @@ _SECTIONS = {
     "telemetry": TelemetrySpec,
     "vllm": VllmSpec,
     "quality": QualitySpec,
+    "controller": ControllerSpec,
 }
 _SIZE_FIELDS = ("capacity", "max_bytes", "slab_size")
 
@@ -257,6 +259,7 @@ class _Loader:
         telemetry = self.structure_table(raw, "telemetry", TelemetrySpec)
         vllm = self.structure_table(raw, "vllm", VllmSpec)
         quality = self.structure_table(raw, "quality", QualitySpec)
+        controller = self.structure_table(raw, "controller", ControllerSpec)
         tiers = self.structure_tiers(raw.get("tiers", {}))
         lists: dict[str, tuple[StageSpec, ...]] = {}
         for kind in ("store", "retrieve", "lookup"):
@@ -272,7 +275,8 @@ class _Loader:
         self.check(section, telemetry, tiers, lists, raw)
         if quality is not None and quality.min_agreement is not None and self.check_quality:
             self.check_quality_gate(quality, lists["store"])
-        if section is None or layerwise is None or telemetry is None or vllm is None or quality is None:
+        if (section is None or layerwise is None or telemetry is None or vllm is None or quality is None
+                or controller is None):
             return None
         return Pipeline(
             name=section.name,
@@ -286,6 +290,7 @@ class _Loader:
             telemetry=telemetry,
             vllm=vllm,
             quality=quality,
+            controller=controller,
         )
 
     def check_quality_gate(self, quality: QualitySpec, store: tuple[StageSpec, ...]) -> None:

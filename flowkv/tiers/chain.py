@@ -274,7 +274,10 @@ class StorageManager:
             blob = payload if payload is not None else payloads.encode(kv, "none")
             if isinstance(blob, memoryview):
                 blob = bytes(blob)
-            return len(blob) if self._write_behind[tier].offer(key, blob) else 0
+            if not self._write_behind[tier].offer(key, blob):
+                return 0
+            self._emit("admit", tier, key)  # queued to be written: a write that fails later is a miss
+            return len(blob)
         if obj is None:
             raise ValueError(f"put to object tier {tier!r} needs the chunk's object (run 'allocate' first)")
         if tier != self.staging:
@@ -580,7 +583,8 @@ class StorageManager:
     # -- events ------------------------------------------------------------------
 
     def subscribe(self, observer: Callable[[TierEvent], None]) -> None:
-        """Call ``observer`` with every admit, evict and remove of an object tier.
+        """Call ``observer`` with every admit, evict and remove of an object tier, and every write
+        queued for a byte tier (its own evictions are not seen).
 
         Called on whichever thread made the change, outside tier locks; it must
         be quick and must not raise (a controller queues the event and returns).
