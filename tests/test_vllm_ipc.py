@@ -6,7 +6,11 @@ and an answer that comes late must never be taken for a newer question's.
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket as stdlib_socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -191,3 +195,88 @@ def test_extra_config_splits_into_connector_keys_and_pipeline_overrides():
     assert ConnectorSettings.from_extra_config(None, default_model="/models/llama").pipeline == "local-cpu"
     with pytest.raises(ValueError, match="model_name"):
         ConnectorSettings.from_extra_config({"model_name": ""}, default_model="m")
+
+
+# -- socket files: none left behind ------------------------------------------------
+
+# Starts a lookup server and then exits as asked: "return" (end of the script),
+# "exit" (sys.exit in a multiprocessing child, forked as vLLM forks its workers),
+# or "hang" (waits to be killed).
+_SERVER_SCRIPT = """
+import multiprocessing, sys, time
+from flowkv.integration._ipc import LookupServer
+
+def serve(path, ending):
+    server = LookupServer(path, lambda header, tokens: {})
+    server.start()
+    print("serving", flush=True)
+    if ending == "hang":
+        time.sleep(3600)
+
+path, ending = sys.argv[1], sys.argv[2]
+if ending == "exit":
+    child = multiprocessing.get_context("fork").Process(target=serve, args=(path, ending))
+    child.start()
+    child.join()
+    sys.exit(child.exitcode)
+serve(path, ending)
+"""
+
+
+def run_server_process(path: Path, ending: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _SERVER_SCRIPT, str(path), ending],
+                            stdout=subprocess.PIPE, text=True)
+
+
+def unix_socket_file(path: Path, *, listening: bool) -> stdlib_socket.socket:
+    """A socket file at ``path``: listened on, or left behind by a process that is gone."""
+    sock = stdlib_socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
+    sock.bind(str(path))
+    if listening:
+        sock.listen()
+    else:
+        sock.close()  # the file stays; connecting to it is refused
+    return sock
+
+
+def age(path: Path) -> None:
+    """Make ``path`` look older than a server that is still between bind and listen."""
+    os.utime(path, (time.time() - 3600, time.time() - 3600), follow_symlinks=False)
+
+
+@pytest.mark.parametrize("ending", ["return", "exit"])
+def test_a_process_that_ends_without_closing_removes_its_socket_file(ipc_dir, ending):
+    path = socket_path(ipc_dir, "ended", 0, 0)
+    process = run_server_process(path, ending)
+    assert process.stdout.readline().strip() == "serving"
+    assert process.wait() == 0
+    assert not path.exists()
+
+
+def test_stale_socket_files_are_removed_when_a_server_starts(ipc_dir):
+    killed = socket_path(ipc_dir, "killed", 0, 0)
+    process = run_server_process(killed, "hang")
+    assert process.stdout.readline().strip() == "serving"
+    process.kill()  # what vLLM's default --shutdown-timeout 0 does to its workers
+    process.wait()
+    assert killed.exists(), "a killed process cannot clean up: its file stays until the next start"
+    gone = socket_path(ipc_dir, "gone", 0, 1)
+    unix_socket_file(gone, listening=False)
+    live = socket_path(ipc_dir, "live", 0, 0)
+    listener = unix_socket_file(live, listening=True)
+    just_bound = socket_path(ipc_dir, "starting", 0, 0)
+    unix_socket_file(just_bound, listening=False)
+    not_a_socket = ipc_dir / "flowkv-notes-dp0-r0.sock"
+    not_a_socket.write_text("not a socket")
+    for path in (killed, gone, live, not_a_socket):
+        age(path)
+
+    worker = Worker(socket_path(ipc_dir, "new", 0, 0))
+    worker.server.start()
+    try:
+        left = sorted(p.name for p in ipc_dir.iterdir())
+        assert left == sorted(p.name for p in (live, just_bound, not_a_socket, worker.server.path))
+    finally:
+        worker.server.close()
+        listener.close()
+    assert not worker.server.path.exists()

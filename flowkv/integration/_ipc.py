@@ -12,14 +12,25 @@ little-endian int64), so neither side unpickles anything it receives. Every
 request carries a sequence number that its reply echoes: a reply that arrives
 after the scheduler gave up on it is recognised and dropped, never taken for
 the answer to a newer question.
+
+Socket files: each vLLM start has a new instance id, so a worker that did not
+get to close its socket (killed: vLLM's default ``--shutdown-timeout 0``
+kills its workers) leaves a file no later start would reuse. A server
+removes its own file when it closes and when its process exits; when it
+starts, it removes the ``flowkv-*.sock`` files in its folder that nobody
+listens on any more (connecting is refused).
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import logging
+import multiprocessing.util
 import os
+import socket as stdlib_socket
+import stat
 import tempfile
 import threading
 import time
@@ -38,6 +49,7 @@ __all__ = [
     "default_ipc_dir",
     "socket_path",
     "query_worker",
+    "remove_stale_sockets",
 ]
 
 # A handler gets the request header and its token ids and returns the reply header.
@@ -47,6 +59,10 @@ Handler = Callable[[dict[str, Any], np.ndarray], dict[str, Any]]
 _SERVER_POLL_MS = 100
 # Unix socket paths are limited to 107 bytes on Linux.
 _MAX_SOCKET_PATH = 107
+# A socket file younger than this may be one another server has bound but not yet listens on.
+_STALE_MIN_AGE_S = 10.0
+# Run at process exit before multiprocessing's own clean-up (higher runs first).
+_EXIT_PRIORITY = 10
 
 
 def default_ipc_dir() -> Path:
@@ -64,6 +80,67 @@ def socket_path(ipc_dir: str | os.PathLike[str], instance_id: str, dp_rank: int,
             "a Unix socket allows; set a shorter 'ipc_dir' in kv_connector_extra_config"
         )
     return path
+
+
+def remove_stale_sockets(ipc_dir: str | os.PathLike[str]) -> list[Path]:
+    """Remove the ``flowkv-*.sock`` files in ``ipc_dir`` that nobody listens on; return them.
+
+    A socket file whose server is gone refuses connections. Files younger than
+    a few seconds are left alone (a server may be between bind and listen),
+    and so is anything that is not a socket.
+    """
+    removed: list[Path] = []
+    now = time.time()
+    try:
+        candidates = sorted(Path(ipc_dir).glob("flowkv-*.sock"))
+    except OSError:
+        return removed
+    for path in candidates:
+        try:
+            info = path.lstat()
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISSOCK(info.st_mode) or now - info.st_mtime < _STALE_MIN_AGE_S:
+            continue
+        if _listening(path):
+            continue
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            logger.debug("flowkv IPC: cannot remove stale socket %s: %s", path, exc)
+            continue
+        removed.append(path)
+    if removed:
+        logger.info("flowkv IPC: removed %d stale socket file(s) in %s (their processes are gone)",
+                    len(removed), ipc_dir)
+    return removed
+
+
+def _listening(path: Path) -> bool:
+    """Whether a process accepts connections on the Unix socket ``path`` (unsure counts as yes)."""
+    probe = stdlib_socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except OSError as exc:
+        return exc.errno != errno.ECONNREFUSED
+    finally:
+        probe.close()
+    return True
+
+
+def _unlink_if_same(path: Path, identity: tuple[int, int] | None) -> None:
+    """Remove ``path`` if it is still the file this process bound (device, inode)."""
+    try:
+        info = path.lstat()
+        if identity is None or (info.st_dev, info.st_ino) == identity:
+            path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.debug("flowkv IPC: cannot remove %s: %s", path, exc)
 
 
 def _encode_tokens(tokens: Sequence[int] | np.ndarray | None) -> bytes:
@@ -99,10 +176,13 @@ class LookupServer:
         self._error: BaseException | None = None
         self._context = zmq.Context()
         self._thread = threading.Thread(target=self._serve, name=f"flowkv-ipc-{self.path.name}", daemon=True)
+        self._identity: tuple[int, int] | None = None  # (device, inode) of the socket file bound
+        self._at_exit: multiprocessing.util.Finalize | None = None
 
     def start(self) -> None:
         """Bind the socket and start serving; raises if the socket cannot be bound."""
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        remove_stale_sockets(self.path.parent)
         if self.path.exists():
             # A leftover of a crashed process with the same instance id; binding would fail.
             self.path.unlink()
@@ -110,6 +190,17 @@ class LookupServer:
         self._ready.wait()
         if self._error is not None:
             raise RuntimeError(f"flowkv could not serve lookups on {self.path}: {self._error}") from self._error
+        try:
+            info = self.path.lstat()
+            self._identity = (info.st_dev, info.st_ino)
+        except OSError:
+            pass
+        # A process that exits without close() still takes its file along. multiprocessing runs
+        # these finalizers at exit in the main process and in its children (fork or spawn),
+        # where atexit alone would not run; a killed process leaves the file to the next start.
+        self._at_exit = multiprocessing.util.Finalize(
+            None, _unlink_if_same, args=(self.path, self._identity), exitpriority=_EXIT_PRIORITY
+        )
 
     def _serve(self) -> None:
         try:
@@ -161,10 +252,10 @@ class LookupServer:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._context.term()
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
+        if self._at_exit is not None:
+            self._at_exit.cancel()
+            self._at_exit = None
+        _unlink_if_same(self.path, self._identity)
 
 
 class LookupClient:

@@ -15,6 +15,17 @@ valid name (with ``fsync = true`` this also holds across power loss). Every
 read is checked with :func:`flowkv.tiers.verify_payload`; a corrupt or
 truncated file is a miss, counted, and removed.
 
+A full filesystem: ``capacity`` is what the tier may hold, not what the
+filesystem has room for. At start, and whenever a write fails with ``ENOSPC``
+(or ``EDQUOT``), the tier measures the filesystem (``statvfs``) and lowers its
+*effective* capacity to what it holds plus the free space, less 1/64 of the
+filesystem kept free for file-system overhead; it then evicts least recently
+used entries down to that and writes the failed entries once more. While
+writes still fail for lack of space the tier reports ``degraded = 1`` (its
+guard then reports it unhealthy) and warns, at most once a minute, with what
+it did. The effective capacity grows back towards ``capacity`` when space is
+freed (measured again at most every 30 s).
+
 The index (digest → size, in LRU order) lives in memory and is rebuilt from
 the folder when the tier starts, ordered by the files' access times, so a
 restarted engine finds the cache warm. File I/O runs in worker threads
@@ -39,12 +50,14 @@ import os
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio.to_thread
 import attrs
 
 from flowkv.registry import tier
+from flowkv.sizes import format_size
 from flowkv.tiers.base import Tier, verify_payload
 
 __all__ = ["DiskTier", "DiskTierConfig"]
@@ -56,6 +69,14 @@ _TMP_SUFFIX = ".tmp"
 _DIGEST_BYTES = 16
 # Admission remembers this many recently offered keys; older ones start over.
 _SEEN_LIMIT = 1 << 18
+# Out-of-space errors: the filesystem (or the user's quota) is full.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# The share of the filesystem the tier leaves free (block rounding, folders, other files).
+_HEADROOM_FRACTION = 64
+# At most one out-of-space warning per tier this often; the rest are counted into the next.
+_WARN_INTERVAL_S = 60.0
+# While the effective capacity is below the configured one, look for freed space this often.
+_REMEASURE_INTERVAL_S = 30.0
 
 
 def _positive_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -101,6 +122,8 @@ class DiskTier(Tier):
     Built by the registry as ``DiskTier(name="local-disk", config=DiskTierConfig(...))``.
     A folder that cannot be created or written does not raise: reads miss and
     writes are dropped, counted in :meth:`stats` (``read_errors``, ``write_errors``).
+    A full filesystem lowers the effective capacity (see the module's docstring).
+    ``clock`` (monotonic seconds) paces warnings and re-measuring; tests pass their own.
     """
 
     def __init__(
@@ -108,10 +131,19 @@ class DiskTier(Tier):
         *,
         name: str,
         config: DiskTierConfig,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name = name
         self.config = config
         self.root = Path(config.path).expanduser()
+        self._clock = clock
+        # What the tier may hold now: the configured capacity, or less while the filesystem has no room.
+        self._capacity = config.capacity
+        self._degraded = False  # the last write that wanted space found none, even after eviction
+        self._measured_at = clock()
+        self._warned_at: float | None = None  # when the last out-of-space warning went out
+        self._unwarned_failures = 0  # writes failed for lack of space since that warning
+        self._warned_degraded = False  # that warning said writes are failing, and no recovery was logged since
         self._index: OrderedDict[str, int] = OrderedDict()  # digest -> bytes, least recent first
         self._bytes_used = 0  # sum of the index's sizes
         self._reserved = 0  # bytes of writes in flight, already made room for
@@ -132,6 +164,8 @@ class DiskTier(Tier):
                 "admission_declined",
                 "too_large",
                 "temp_files_removed",
+                "nospace_errors",
+                "capacity_shrinks",
             ),
             0,
         )
@@ -187,34 +221,71 @@ class DiskTier(Tier):
             plan.append((digest, payload))
         if not plan:
             return
-        needed = sum(len(payload) for _, payload in plan)
-        victims = self._make_room(needed)
-        self._reserved += needed
         try:
-            outcomes = await anyio.to_thread.run_sync(self._write_files, plan, victims)
+            self._remeasure_if_due()
+            no_space = await self._write_plan(plan)
+            if no_space:
+                # The filesystem is fuller than the capacity says: shrink to what it holds, evict, retry once.
+                evictions, evicted_bytes = self._counters["evictions"], self._counters["evicted_bytes"]
+                self._shrink_to_filesystem()
+                no_space = await self._write_plan(no_space)
+                evicted = (self._counters["evictions"] - evictions, self._counters["evicted_bytes"] - evicted_bytes)
+                self._note_no_space(evicted, failed=len(no_space))
+            else:
+                self._set_degraded(False)
+            # A batch larger than the room left (or a capacity lowered meanwhile) overshoots: shed the oldest.
+            victims = self._make_room(0)
+            if victims:
+                await anyio.to_thread.run_sync(self._remove_files, victims)
         finally:
-            self._reserved -= needed
             for digest, _ in plan:
                 self._writing.discard(digest)
-        for (digest, payload), stored in zip(plan, outcomes):
-            if stored:
+
+    async def _write_plan(self, plan: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+        """Make room for and write ``plan``; index what was stored, return what failed for lack of space.
+
+        An entry larger than the effective capacity (shrunk below the configured
+        one by a full filesystem) is not tried: it also lacks space.
+        """
+        fitting, no_space = [], []
+        for digest, payload in plan:
+            (fitting if len(payload) <= self._capacity else no_space).append((digest, payload))
+        needed = sum(len(payload) for _, payload in fitting)
+        # Also when nothing fits: a capacity just lowered may be below what the folder holds.
+        victims = self._make_room(needed)
+        if not fitting and not victims:
+            return no_space
+        self._reserved += needed
+        try:
+            outcomes = await anyio.to_thread.run_sync(self._write_files, fitting, victims)
+        finally:
+            self._reserved -= needed
+        for (digest, payload), outcome in zip(fitting, outcomes):
+            if outcome == "stored":
                 self._index[digest] = len(payload)
                 self._bytes_used += len(payload)
                 self._counters["writes"] += 1
                 self._counters["written_bytes"] += len(payload)
+            elif outcome == "no_space":
+                self._counters["nospace_errors"] += 1
+                no_space.append((digest, payload))
             else:
                 self._counters["write_errors"] += 1
+        return no_space
 
     async def aclose(self) -> None:
         # Files are closed after every operation; the folder stays for the next start.
         self._seen.clear()
 
     def stats(self) -> dict[str, int | float]:
+        """Counters, ``capacity`` (effective) and ``configured_capacity`` in bytes, ``degraded`` (1/0)."""
         return {
             **self._counters,
             "entries": len(self._index),
             "bytes_used": self._bytes_used,
-            "capacity": self.config.capacity,
+            "capacity": self._capacity,
+            "configured_capacity": self.config.capacity,
+            "degraded": int(self._degraded),
         }
 
     # -- index and policy (event-loop thread) ------------------------------
@@ -234,13 +305,96 @@ class DiskTier(Tier):
     def _make_room(self, needed: int) -> list[str]:
         """Take least recently used entries out of the index until ``needed`` fits."""
         victims: list[str] = []
-        while self._index and self._bytes_used + self._reserved + needed > self.config.capacity:
+        while self._index and self._bytes_used + self._reserved + needed > self._capacity:
             digest, size = self._index.popitem(last=False)
             self._bytes_used -= size
             self._counters["evictions"] += 1
             self._counters["evicted_bytes"] += size
             victims.append(digest)
         return victims
+
+    # -- room on the filesystem (event-loop thread) --------------------------
+
+    def _measure(self) -> tuple[int, int] | None:
+        """(the most the tier can hold on its filesystem now, the free bytes there), or None.
+
+        What fits is what the tier holds plus the free space, less 1/64 of the
+        filesystem left free (block rounding, folders), and never more than the
+        configured capacity.
+        """
+        try:
+            fs = os.statvfs(self.root)
+        except OSError:
+            return None
+        free = fs.f_bavail * fs.f_frsize
+        headroom = fs.f_blocks * fs.f_frsize // _HEADROOM_FRACTION
+        fitting = max(0, min(self.config.capacity, self._bytes_used + self._reserved + free - headroom))
+        return fitting, free
+
+    def _shrink_to_filesystem(self) -> None:
+        """After an out-of-space write: lower the effective capacity to what the filesystem holds."""
+        measured = self._measure()
+        # A write just failed for lack of space, so what the tier holds now is the most that fitted;
+        # statvfs may show less (others' files, the headroom) or more (a quota it does not see).
+        target = self._bytes_used if measured is None else min(self._bytes_used, measured[0])
+        if target < self._capacity:
+            self._capacity = target
+            self._counters["capacity_shrinks"] += 1
+        self._measured_at = self._clock()
+
+    def _remeasure_if_due(self) -> None:
+        """Let the capacity grow back (up to the configured one) once space was freed."""
+        if self._capacity >= self.config.capacity or self._clock() - self._measured_at < _REMEASURE_INTERVAL_S:
+            return
+        self._measured_at = self._clock()
+        measured = self._measure()
+        if measured is not None and measured[0] > self._capacity:
+            logger.info("disk tier %r: capacity raised from %s to %s (space was freed)",
+                        self.name, format_size(self._capacity), format_size(measured[0]))
+            self._capacity = measured[0]
+
+    def _note_no_space(self, evicted: tuple[int, int], *, failed: int) -> None:
+        """Record the outcome of an out-of-space retry and warn, at most once per interval."""
+        self._set_degraded(failed > 0)
+        self._unwarned_failures += failed
+        self._counters["write_errors"] += failed
+        now = self._clock()
+        if self._warned_at is not None and now - self._warned_at < _WARN_INTERVAL_S:
+            return
+        self._warned_at = now
+        self._warned_degraded = self._degraded
+        entries, nbytes = evicted
+        logger.warning(
+            "disk tier %r: the filesystem of %s is full; capacity lowered to %s (configured %s), %d entries "
+            "(%s) evicted to make room; %d write(s) failed for lack of space since the last warning%s",
+            self.name, self.root, format_size(self._capacity), format_size(self.config.capacity),
+            entries, format_size(nbytes), self._unwarned_failures,
+            "; writes are failing (degraded)" if self._degraded else "",
+        )
+        self._unwarned_failures = 0
+
+    def _set_degraded(self, degraded: bool) -> None:
+        if not degraded and self._warned_degraded:
+            # Said once per warned episode, so a flapping disk costs at most two lines a minute.
+            logger.warning("disk tier %r: writes succeed again (capacity %s of %s configured)",
+                           self.name, format_size(self._capacity), format_size(self.config.capacity))
+            self._warned_degraded = False
+        self._degraded = degraded
+
+    def _fit_to_filesystem(self) -> None:
+        """At start: a capacity larger than the filesystem can hold is lowered, with a warning."""
+        measured = self._measure()
+        if measured is None or measured[0] >= self._capacity:
+            return
+        fitting, free = measured
+        logger.warning(
+            "disk tier %r: capacity %s is more than the filesystem of %s can hold (%s in the cache, %s free); "
+            "using %s",
+            self.name, format_size(self.config.capacity), self.root, format_size(self._bytes_used),
+            format_size(free), format_size(fitting),
+        )
+        self._capacity = fitting
+        self._counters["capacity_shrinks"] += 1
 
     def _path(self, digest: str) -> Path:
         return self.root / digest[:2] / (digest + _SUFFIX)
@@ -256,7 +410,8 @@ class DiskTier(Tier):
         for _, digest, size in found:
             self._index[digest] = size
             self._bytes_used += size
-        # A smaller capacity than last time: shed the oldest now.
+        self._fit_to_filesystem()
+        # A smaller capacity than last time (or than the filesystem holds): shed the oldest now.
         victims = self._make_room(0)
         if victims:
             self._remove_files(victims)
@@ -319,11 +474,12 @@ class DiskTier(Tier):
             found[digest] = blob
         return found
 
-    def _write_files(self, plan: list[tuple[str, bytes]], victims: list[str]) -> list[bool]:
+    def _write_files(self, plan: list[tuple[str, bytes]], victims: list[str]) -> list[str]:
         self._remove_files(victims)
         return [self._write_file(digest, payload) for digest, payload in plan]
 
-    def _write_file(self, digest: str, payload: bytes) -> bool:
+    def _write_file(self, digest: str, payload: bytes) -> str:
+        """``"stored"``, ``"no_space"`` (the filesystem or quota is full) or ``"failed"``."""
         shard = digest[:2]
         folder = self.root / shard
         final = folder / (digest + _SUFFIX)
@@ -345,8 +501,8 @@ class DiskTier(Tier):
                 self._made_shards.discard(shard)  # the folder went away; recreate next time
             logger.debug("disk tier %r: cannot write %s: %s", self.name, final, exc)
             self._unlink(temp)
-            return False
-        return True
+            return "no_space" if exc.errno in _NO_SPACE else "failed"
+        return "stored"
 
     def _remove_files(self, digests: list[str]) -> None:
         for digest in digests:

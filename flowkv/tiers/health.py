@@ -107,9 +107,18 @@ class GuardedTier(Tier):
             logger.warning("tier %r: aclose failed: %s", self.name, _describe(exc))
 
     def stats(self) -> dict[str, int | float]:
-        """Guard counters, ``healthy`` (1/0), ``backoff_s``, then the tier's own counters."""
+        """Guard counters, ``healthy`` (1/0), ``backoff_s``, then the tier's own counters.
+
+        ``healthy`` is 0 while the guard skips the tier, and while the tier
+        itself reports ``degraded`` (a full disk whose writes fail).
+        """
+        try:
+            inner = self.tier.stats()
+        except Exception as exc:  # noqa: BLE001 - stats are telemetry, never fatal
+            logger.debug("tier %r: stats failed: %s", self.name, _describe(exc))
+            inner = {}
         counters: dict[str, int | float] = {
-            "healthy": int(self.state is TierHealth.HEALTHY),
+            "healthy": int(self.state is TierHealth.HEALTHY and not inner.get("degraded")),
             "calls": self.calls,
             "failures": self.failures,
             "timeouts": self.timeouts,
@@ -117,11 +126,6 @@ class GuardedTier(Tier):
             "dropped_puts": self.dropped_puts,
             "backoff_s": self._backoff_s,
         }
-        try:
-            inner = self.tier.stats()
-        except Exception as exc:  # noqa: BLE001 - stats are telemetry, never fatal
-            logger.debug("tier %r: stats failed: %s", self.name, _describe(exc))
-            inner = {}
         for key, value in inner.items():
             counters.setdefault(key, value)
         return counters

@@ -1,0 +1,279 @@
+"""A real `vllm serve` for the tests: vLLM's OpenAI-compatible server on loopback, as a user runs it.
+
+:class:`VllmServer` starts ``vllm serve`` (the console script of the venv
+running the tests, as ``make`` sets it up) on ``127.0.0.1`` and a free port,
+in a session of its own, with its output in a log file; waits for ``/health``;
+sends completions (streamed or not) and reads ``/metrics``; and stops it with
+SIGTERM, as systemd or Kubernetes would. Module-scoped fixtures share one
+server per test module (a start costs 25-70 s on two cores); import them::
+
+    from vllm_server import flowkv_server, plain_server  # noqa: F401 - pytest fixtures
+
+    def test_something(flowkv_server):
+        reply = flowkv_server.complete(token_ids, max_tokens=8)
+
+``start_server(folder, kv_extra={...}, args=[...], env={...})`` starts one
+with other settings (another pipeline, vLLM flags, environment); the caller
+stops it (``close()``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_helpers import BLOCK_SIZE, KV_BYTES_PER_BLOCK, tiny_model_dir
+
+MODEL_NAME = "tiny"
+# A start that has not answered /health by then hangs (a readiness bound, not a speed claim).
+READY_TIMEOUT_S = 900.0
+# How long a SIGTERM'd server may take to exit before the test kills what is left.
+STOP_TIMEOUT_S = 300.0
+# The scheduler's wait for a worker's lookup answer. flowkv's default (200 ms) is missed now and
+# then on a busy two-core machine, and a missed lookup is a cache miss: the tests about hits must
+# not depend on the machine's load (a test about the timeout sets its own).
+LOOKUP_TIMEOUT_MS = 10_000
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def flowkv_transfer_config(**extra: Any) -> dict[str, Any]:
+    """The README's --kv-transfer-config, with ``extra`` in kv_connector_extra_config."""
+    return {"kv_connector": "FlowKVConnector", "kv_connector_module_path": "flowkv.integration.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"pipeline": "local-cpu", **extra}}
+
+
+class VllmServer:
+    """One ``vllm serve`` process tree on loopback; see the module's docstring."""
+
+    def __init__(self, folder: Path, *, kv_extra: dict[str, Any] | None = None, args: Sequence[str] = (),
+                 kv_cache_blocks: int = 512, env: dict[str, str] | None = None) -> None:
+        self.folder = folder
+        self.env = env or {}
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = folder / "server.log"
+        # Unix socket paths are limited to 107 bytes: the IPC folder is a short one of its own.
+        self.ipc_dir = Path(tempfile.mkdtemp(prefix="fkv-serve-"))
+        command = [
+            str(Path(sys.executable).parent / "vllm"), "serve", str(tiny_model_dir()),
+            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "bfloat16", "--block-size", str(BLOCK_SIZE), "--max-model-len", "4096",
+            "--no-enable-prefix-caching", "--seed", "0",
+            "--kv-cache-memory-bytes", str(kv_cache_blocks * KV_BYTES_PER_BLOCK),
+            "--enable-prompt-tokens-details",
+        ]
+        if kv_extra is not None:
+            config = flowkv_transfer_config(ipc_dir=str(self.ipc_dir),
+                                            **{"lookup_timeout_ms": LOOKUP_TIMEOUT_MS, **kv_extra})
+            command += ["--kv-transfer-config", json.dumps(config)]
+        self.command = command + list(args)
+        self.proc: subprocess.Popen | None = None
+
+    # -- life -----------------------------------------------------------------
+
+    def start(self) -> VllmServer:
+        cores = os.cpu_count() or 1
+        # vLLM's default log level whatever an earlier test left in os.environ (flowkv.demo sets ERROR):
+        # the log is what a user sees.
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_COLOR": "0", "VLLM_LOGGING_LEVEL": "INFO",
+               "PYTHONUNBUFFERED": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}"),
+               **self.env}
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
+        with open(self.log_path, "wb") as log:
+            # A session of its own: every process of the server is in its process group.
+            self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self._healthy():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode} before it was ready:\n"
+                                   f"{self.log_tail()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"vllm serve did not answer /health within {READY_TIMEOUT_S:.0f} s:\n"
+                                   f"{self.log_tail()}")
+            time.sleep(0.5)
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        """Send ``sig`` to the API server and wait for it; returns its exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL whatever is left of the server's processes."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def close(self) -> None:
+        """Stop the server if it runs and make sure none of its processes is left."""
+        if self.proc is not None:
+            self.stop()
+            if self.live_processes():
+                self.kill()
+        for leftover in self.ipc_dir.glob("*"):
+            leftover.unlink()
+        self.ipc_dir.rmdir()
+
+    def live_processes(self) -> list[int]:
+        """Pids of the server's process group that are still running (zombies aside)."""
+        assert self.proc is not None
+        group = self.proc.pid
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            state, pgrp = fields[0], int(fields[2])
+            if pgrp == group and state != "Z":
+                found.append(int(stat.parent.name))
+        return found
+
+    # -- HTTP -----------------------------------------------------------------
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def complete(self, prompt: Sequence[int] | str, *, max_tokens: int = 16, stream: bool = False,
+                 **fields: Any) -> dict[str, Any]:
+        """A greedy completion. Streamed, the chunks are joined into ``text`` and ``token_ids``,
+        with ``chunks`` (how many came), ``usage`` and ``done`` (the ``[DONE]`` line came)."""
+        body = {"model": MODEL_NAME, "prompt": list(prompt) if not isinstance(prompt, str) else prompt,
+                "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True, "stream": stream, **fields}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        request = urllib.request.Request(self.url + "/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as reply:
+            if not stream:
+                return json.load(reply)
+            return _join_stream(_sse_events(reply))
+
+    def stream_events(self, prompt: Sequence[int], *, max_tokens: int = 16) -> Iterator[dict[str, Any] | None]:
+        """A streamed completion's events as they arrive; None stands for ``[DONE]``."""
+        body = {"model": MODEL_NAME, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0,
+                "stream": True}
+        request = urllib.request.Request(self.url + "/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as reply:
+            yield from _sse_events(reply)
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=60) as reply:
+            return reply.read().decode()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the samples of ``name`` whose labels include ``labels`` (0 when there is none)."""
+        return metric_value(self.metrics(), name, **labels)
+
+    # -- the log ----------------------------------------------------------------
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+
+def _sse_events(reply) -> Iterator[dict[str, Any] | None]:
+    for raw in reply:
+        line = raw.decode().strip()
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        yield None if data == "[DONE]" else json.loads(data)
+
+
+def _join_stream(events: Iterator[dict[str, Any] | None]) -> dict[str, Any]:
+    text, token_ids, chunks, usage, done = [], [], 0, None, False
+    for event in events:
+        if event is None:
+            done = True
+            continue
+        chunks += 1
+        usage = event.get("usage") or usage
+        for choice in event.get("choices", []):
+            text.append(choice.get("text", ""))
+            token_ids += choice.get("token_ids") or []
+    return {"text": "".join(text), "token_ids": token_ids, "chunks": chunks, "usage": usage, "done": done}
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum the Prometheus samples of ``name`` in ``text`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is None or match.group(1) != name:
+            continue
+        have = dict(_LABEL.findall(match.group(2) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(match.group(3))
+    return total
+
+
+def start_server(folder: Path, *, kv_extra: dict[str, Any] | None = None, args: Sequence[str] = (),
+                 **options: Any) -> VllmServer:
+    """Start a server (flowkv when ``kv_extra`` is given, else none) and wait until it is ready."""
+    server = VllmServer(folder, kv_extra=kv_extra, args=args, **options)
+    try:
+        return server.start()
+    except BaseException:
+        server.close()
+        raise
+
+
+@pytest.fixture(scope="module")
+def flowkv_server(tmp_path_factory) -> Iterator[VllmServer]:
+    """`vllm serve` on the tiny model with flowkv (pipeline local-cpu, chunks of 256 tokens)."""
+    server = start_server(tmp_path_factory.mktemp("flowkv-serve"), kv_extra={"chunk_size": 256})
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def plain_server(tmp_path_factory) -> Iterator[VllmServer]:
+    """The same `vllm serve`, without a KV connector: the reference outputs."""
+    server = start_server(tmp_path_factory.mktemp("plain-serve"))
+    yield server
+    server.close()
