@@ -277,12 +277,13 @@ def run(args: argparse.Namespace) -> int:
             transfer = transfer_config(config, folder, chunk_size=args.chunk_size,
                                        memory_bytes=args.memory_docs * args.doc_tokens * token_bytes)
             print(f"bench serve: {config}...", file=sys.stderr)
+            runs: dict[int, list[dict[str, Any]]] = {}
+            level = None
             try:
                 server = Server(model, log_folder, transfer=transfer, max_model_len=max_model_len,
                                 pool_bytes=args.pool_docs * max_model_len * token_bytes,
                                 prefix_caching=not args.no_prefix_caching)
                 with server:
-                    runs = results["runs"][config] = {}
                     for index, level in enumerate(levels):
                         runs[level] = [
                             drive(server, args, model=model, concurrency=level, seed=1000 * repeat + index,
@@ -290,11 +291,14 @@ def run(args: argparse.Namespace) -> int:
                             for repeat in range(args.repeats)
                         ]
                         print(f"bench serve: {config} c={level}: {_median(runs[level])}", file=sys.stderr)
-            except (RuntimeError, subprocess.CalledProcessError) as exc:  # a peer that fails is reported
-                results["failed"][config] = " ".join(str(exc).split())[-400:]
-                results["runs"].pop(config, None)
-                continue
-            results["median"][config] = {level: _median(runs) for level, runs in results["runs"][config].items()}
+            # A peer that fails (to start, or mid-run: its server died) is reported with the levels it finished.
+            except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+                where = f"at concurrency {level}: " if level is not None else ""
+                results["failed"][config] = where + " ".join(str(exc).split())[-400:]
+                runs.pop(level, None)
+            if runs:
+                results["runs"][config] = runs
+                results["median"][config] = {lvl: _median(level_runs) for lvl, level_runs in runs.items()}
     _ratios(results)
     if args.plot:
         _plot(results, args.plot)
