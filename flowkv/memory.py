@@ -36,10 +36,12 @@ from __future__ import annotations
 import bisect
 import math
 import threading
+import weakref
 from typing import Any
 
 import torch
 
+from flowkv.resident import PrefaultMode, ResidentBuffer
 from flowkv.sizes import parse_size
 
 __all__ = [
@@ -117,7 +119,10 @@ class MemoryObj:
         tensor = self.tensor
         if tensor.device.type != "cpu":
             raise RuntimeError(f"view_bytes needs a CPU arena, this one is on {tensor.device}")
-        return memoryview(tensor.view(torch.uint8).reshape(-1).numpy()).cast("B")
+        # The pages themselves, whatever the order of the tensor's view (a reshape of a
+        # permuted view would be a copy, and writes into it would be lost).
+        start = self._first_page * self._arena.page_bytes
+        return memoryview(self._arena.buffer[start:start + self.nbytes].numpy()).cast("B")
 
     def shrink_to_bytes(self, nbytes: int) -> None:
         """Keep only the first ``nbytes`` bytes, as a flat uint8 `tensor`, and give
@@ -185,10 +190,20 @@ class MemoryArena:
     ``pin_memory`` pins the buffer when CUDA is available (``pinned`` says
     whether it is). Allocation never waits: when no free run is long enough
     it answers ``None``.
+
+    A CPU arena that is not pinned lives in a `flowkv.resident.ResidentBuffer`
+    (``backing``, or a new anonymous one): ``prefault`` (``"background"``,
+    ``"now"``, ``"off"``) makes its pages resident before stores write them,
+    so a fresh arena does not make stores pay first-touch page faults;
+    ``huge_pages`` asks for transparent huge pages where the OS offers them.
+    `resident_bytes` and `prefault_state` say how far that got. (Pinned
+    memory is resident already; a GPU arena is the device's.)
     """
 
     def __init__(self, capacity_bytes: int | str, *, slab_bytes: int | str, page_bytes: int | str | None = None,
-                 pin_memory: bool = False, device: str | torch.device = "cpu") -> None:
+                 pin_memory: bool = False, device: str | torch.device = "cpu",
+                 prefault: PrefaultMode = "background", huge_pages: bool = True,
+                 backing: ResidentBuffer | None = None) -> None:
         capacity = parse_size(capacity_bytes)
         slab = parse_size(slab_bytes)
         if slab <= 0:
@@ -212,9 +227,25 @@ class MemoryArena:
         self.num_pages = num_pages
         #: pages the largest object takes
         self.pages_per_slab = -(-slab // page)
+        #: where the buffer's pages come from (None: pinned or device memory, resident by nature)
+        self.backing: ResidentBuffer | None = None
+        if backing is not None:
+            if self.device.type != "cpu" or self.pinned:
+                raise ValueError("a backing buffer is CPU memory: it cannot back a pinned or device arena")
+            if backing.nbytes < num_pages * page:
+                raise ValueError(f"backing buffer of {backing.nbytes} B is smaller than the arena's "
+                                 f"{num_pages * page} B")
+            self.backing = backing
+        elif self.device.type == "cpu" and not self.pinned:
+            self.backing = ResidentBuffer.anonymous(num_pages * page, prefault=prefault, huge_pages=huge_pages)
         #: the one backing buffer
-        self.buffer = torch.empty(num_pages * page, dtype=torch.uint8, device=self.device,
-                                  pin_memory=self.pinned)
+        if self.backing is not None:
+            self.buffer = self.backing.tensor[: num_pages * page]
+            # An arena dropped while its pages are still being pre-faulted stops that.
+            weakref.finalize(self, self.backing.stop_soon)
+        else:
+            self.buffer = torch.empty(num_pages * page, dtype=torch.uint8, device=self.device,
+                                      pin_memory=self.pinned)
         # Free runs: first page -> length, the first pages sorted, and last
         # page + 1 -> first page, to coalesce a freed run with both neighbours.
         self._run_length: dict[int, int] = {0: num_pages}
@@ -228,6 +259,24 @@ class MemoryArena:
     def capacity_bytes(self) -> int:
         """Bytes the arena can hand out (all pages)."""
         return self.num_pages * self.page_bytes
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes from the start of the arena made resident before use: all of a pinned or
+        device arena; as far as the pre-fault got for one in a `ResidentBuffer`."""
+        if self.backing is None:
+            return self.capacity_bytes
+        return min(self.backing.resident_bytes, self.capacity_bytes)
+
+    @property
+    def prefault_state(self) -> str:
+        """The pre-fault's state (see `flowkv.resident.ResidentBuffer.prefault_state`); ``resident``
+        for pinned or device memory."""
+        return "resident" if self.backing is None else self.backing.prefault_state
+
+    def wait_resident(self, timeout: float | None = None) -> bool:
+        """Wait until the pre-fault is over (done, or stopped at the memory reserve); False on timeout."""
+        return True if self.backing is None else self.backing.wait_resident(timeout)
 
     @property
     def num_slabs(self) -> int:
@@ -258,9 +307,14 @@ class MemoryArena:
     def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> MemoryObj | None:
         """An object whose `MemoryObj.tensor` has ``shape`` and ``dtype``, or ``None`` when full.
 
+        A ``shape`` with a ``dim_order`` (a `flowkv.kernels.ChunkShape`) lays the
+        bytes out in that order, outermost dim first, and the tensor is the
+        (strided) view of them in ``shape``'s order.
+
         Raises `ValueError` when the object could never fit a slab: that is a
         configuration error, not memory pressure.
         """
+        order = getattr(shape, "dim_order", None)
         shape = tuple(int(d) for d in shape)
         if any(d < 0 for d in shape):
             raise ValueError(f"negative dimension in shape {shape}")
@@ -273,7 +327,11 @@ class MemoryArena:
         if first is None:
             return None
         start = first * self.page_bytes
-        tensor = self.buffer[start:start + nbytes].view(dtype).view(shape)
+        data = self.buffer[start:start + nbytes].view(dtype)
+        if order is None or tuple(order) == tuple(range(len(shape))):
+            tensor = data.view(shape)
+        else:
+            tensor = data.view(tuple(shape[d] for d in order)).permute(tuple(order.index(d) for d in range(len(shape))))
         return MemoryObj(self, first, pages, tensor, nbytes)
 
     def allocate_bytes(self, nbytes: int) -> MemoryObj | None:

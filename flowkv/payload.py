@@ -5,7 +5,7 @@ small header followed by the codec's body::
 
     offset  size      field
     0       4         magic b"FKVP"
-    4       2         format version (1)
+    4       2         format version (2; version 1 is read too)
     6       2         codec id (see flowkv.codecs)
     8       1         dtype code (1 fp16, 2 bf16, 3 fp32, 4 fp8 e4m3fn, 5 fp8 e5m2, 6 uint8)
     9       1         ndim
@@ -14,6 +14,7 @@ small header followed by the codec's body::
     16      8         body length B
     24      8         xxh3-64 of the body
     32      8*ndim    shape
+    ..      ndim      dim order of the body (version 2 only; see below)
     ..      P         codec parameters, canonical JSON (UTF-8, sorted keys)
     H-8     8         xxh3-64 of header bytes [0, H-8)
     H       B         body
@@ -22,6 +23,18 @@ All integers are little-endian; the body holds tensor bytes in the
 machine's (little-endian) order. The header checksum is checked before any
 header field past the version is trusted, and the body checksum before the
 codec runs, so corrupt data raises `PayloadError` instead of decoding.
+
+**Dim order (version 2).** The shape is always the tensor's (for a chunk,
+the logical ``(layers, kv, tokens, heads, head_size)``). A lossless codec
+encodes the tensor's elements in the order its buffer holds them — a chunk in
+its engine's format (`flowkv.kernels.KVGeometry.chunk_order`) is encoded
+without a permuting copy — and the header names that order: the dims,
+outermost first. A lossy codec sees the tensor in its own shape and writes
+the identity order. Decoding lays the values out the same way again (into a
+buffer of that order, or into ``out`` with a permuting copy when ``out`` is in
+another order), so a payload can never be read in the wrong order. Version
+1 payloads (written before chunk format 2) have no order field: their body
+is in the shape's own order.
 
 Example::
 
@@ -53,6 +66,7 @@ from flowkv import codecs as _codecs
 __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
+    "READABLE_VERSIONS",
     "MIN_HEADER_SIZE",
     "PayloadError",
     "PayloadHeader",
@@ -64,7 +78,9 @@ __all__ = [
 ]
 
 MAGIC = b"FKVP"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Versions this flowkv reads.
+READABLE_VERSIONS = (1, 2)
 
 # magic, version, codec id, dtype code, ndim, params length, header length,
 # body length, body checksum
@@ -118,6 +134,17 @@ class PayloadHeader:
     body_checksum: int
     #: Length of the header in bytes; the body starts here.
     header_length: int
+    #: The order of the body's dims, outermost first (identity: the shape's own order).
+    dim_order: tuple[int, ...] = attrs.field(converter=tuple, default=())
+
+    def __attrs_post_init__(self) -> None:
+        if not self.dim_order:
+            object.__setattr__(self, "dim_order", tuple(range(len(self.shape))))
+
+    @property
+    def body_shape(self) -> tuple[int, ...]:
+        """The shape in the body's dim order."""
+        return tuple(self.shape[d] for d in self.dim_order)
 
     @property
     def payload_length(self) -> int:
@@ -145,8 +172,31 @@ def _flat_bytes(blob: Any) -> memoryview:
     return view
 
 
+def _identity(ndim: int) -> tuple[int, ...]:
+    return tuple(range(ndim))
+
+
+def _inverse(order: Sequence[int]) -> tuple[int, ...]:
+    order = tuple(order)
+    return tuple(order.index(d) for d in range(len(order)))
+
+
+def _buffer_order(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The order in which a dense tensor's buffer holds its dims (identity when it is
+    contiguous, or not dense at all: then it is copied into that order)."""
+    if tensor.dim() == 0 or tensor.is_contiguous():
+        return _identity(tensor.dim())
+    # Size-1 dims can sit anywhere; keep them in place to break ties.
+    order = tuple(sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d) if tensor.shape[d] > 1 else 0, d)))
+    return order if tensor.permute(order).is_contiguous() else _identity(tensor.dim())
+
+
 def encode(tensor: torch.Tensor, codec: str = "none", **codec_params: Any) -> bytes:
     """Encode `tensor` as a payload with the named codec and its parameters.
+
+    A lossless codec encodes the elements in the order the tensor's buffer
+    holds them (the header names it), so a chunk in its engine's format is
+    not permuted; a lossy codec encodes the tensor in its own shape.
 
     Raises ValueError for an unknown codec or parameter, a dtype the format
     does not carry, or a tensor the codec cannot encode (lossy codecs need a
@@ -163,12 +213,13 @@ def encode(tensor: torch.Tensor, codec: str = "none", **codec_params: Any) -> by
     impl = _codecs.get_codec(codec)
     params = impl.resolve_params(**codec_params)
     impl.check_tensor(tensor)
-    body = _codecs._as_bytes(impl.encode(tensor, params))
+    order = _buffer_order(tensor) if impl.lossless else _identity(tensor.dim())
+    body = _codecs._as_bytes(impl.encode(tensor.permute(order) if tensor.dim() else tensor, params))
     params_json = json.dumps(impl.params_to_header(params), sort_keys=True, separators=(",", ":")).encode()
     if len(params_json) > 0xFFFF:
         raise ValueError(f"codec {codec!r} parameters take {len(params_json)} bytes in the header, at most 65535")
     shape = tuple(tensor.shape)
-    header_length = _PREFIX.size + 8 * len(shape) + len(params_json) + _CHECKSUM.size
+    header_length = _PREFIX.size + 9 * len(shape) + len(params_json) + _CHECKSUM.size
     head = (
         _PREFIX.pack(
             MAGIC,
@@ -182,6 +233,7 @@ def encode(tensor: torch.Tensor, codec: str = "none", **codec_params: Any) -> by
             _checksum(body),
         )
         + struct.pack(f"<{len(shape)}Q", *shape)
+        + bytes(order)
         + params_json
     )
     # bytes + buffer concatenates in one copy of the body.
@@ -200,12 +252,14 @@ def read_header(blob: bytes | bytearray | memoryview) -> PayloadHeader:
     if bytes(view[:4]) != MAGIC:
         raise PayloadError(f"not a flowkv payload: magic {bytes(view[:4])!r}, expected {MAGIC!r}")
     version = int.from_bytes(view[4:6], "little")
-    if version != FORMAT_VERSION:
-        raise PayloadError(f"unsupported payload format version {version} (this flowkv reads {FORMAT_VERSION})")
+    if version not in READABLE_VERSIONS:
+        raise PayloadError(f"unsupported payload format version {version} "
+                           f"(this flowkv reads {' and '.join(map(str, READABLE_VERSIONS))})")
     if len(view) < MIN_HEADER_SIZE:
         raise PayloadError(f"payload truncated: {len(view)} bytes, a header needs at least {MIN_HEADER_SIZE}")
     _, _, codec_id, dtype_code, ndim, params_len, header_length, body_length, body_checksum = _PREFIX.unpack_from(view)
-    if header_length != _PREFIX.size + 8 * ndim + params_len + _CHECKSUM.size:
+    order_len = ndim if version >= 2 else 0
+    if header_length != _PREFIX.size + 8 * ndim + order_len + params_len + _CHECKSUM.size:
         raise PayloadError(
             f"corrupt payload header: header length {header_length} does not match "
             f"ndim {ndim} and parameter length {params_len}"
@@ -224,7 +278,11 @@ def read_header(blob: bytes | bytearray | memoryview) -> PayloadHeader:
     if dtype is None:
         raise PayloadError(f"payload has unknown dtype code {dtype_code}")
     shape = struct.unpack_from(f"<{ndim}Q", view, _PREFIX.size)
-    params_at = _PREFIX.size + 8 * ndim
+    order_at = _PREFIX.size + 8 * ndim
+    order = tuple(view[order_at:order_at + order_len]) if order_len else _identity(ndim)
+    if sorted(order) != list(range(ndim)):
+        raise PayloadError(f"corrupt payload header: dim order {order} is not a permutation of {ndim} dims")
+    params_at = order_at + order_len
     try:
         params = json.loads(bytes(view[params_at : params_at + params_len]))
     except ValueError as exc:
@@ -240,6 +298,7 @@ def read_header(blob: bytes | bytearray | memoryview) -> PayloadHeader:
         body_length=body_length,
         body_checksum=body_checksum,
         header_length=header_length,
+        dim_order=order,
     )
 
 
@@ -292,15 +351,16 @@ def decode(
     impl = _codecs.get_codec(header.codec)
     try:
         params = impl.params_from_header(header.codec_params)
-        tensor = impl.decode(body, header.shape, header.dtype, params)
+        tensor = impl.decode(body, header.body_shape, header.dtype, params)
     except (ValueError, RuntimeError) as exc:
         raise PayloadError(f"codec {header.codec!r} failed to decode the payload: {exc}") from exc
-    if tuple(tensor.shape) != header.shape or tensor.dtype != header.dtype:
+    if tuple(tensor.shape) != header.body_shape or tensor.dtype != header.dtype:
         raise PayloadError(
             f"codec {header.codec!r} decoded {tuple(tensor.shape)} {tensor.dtype}, "
-            f"the header says {header.shape} {header.dtype}"
+            f"the header says {header.body_shape} {header.dtype}"
         )
-    return tensor
+    # The values in the body's order, seen in the header's shape (no copy).
+    return tensor.permute(_inverse(header.dim_order)) if tensor.dim() else tensor
 
 
 def decode_into(
@@ -311,19 +371,24 @@ def decode_into(
 ) -> torch.Tensor:
     """Decode a payload into the preallocated `out` and return it.
 
-    `out` must have the payload's shape and dtype. A contiguous CPU `out` is
-    written in place by the codec (no intermediate tensor for ``none`` and
-    ``zstd``); a lossy codec dequantizes on `out`'s device; other cases
-    decode on the CPU and copy. On any error `out` may hold partial data.
+    `out` must have the payload's shape and dtype. A CPU `out` whose buffer
+    holds its dims in the payload's dim order (contiguous, for a payload in
+    the shape's own order; a chunk in its engine's format, for a chunk
+    payload of that engine) is written in place by the codec (no intermediate
+    tensor for ``none`` and ``zstd``); a lossy codec dequantizes on `out`'s
+    device; other cases decode on the CPU and copy. On any error `out` may
+    hold partial data.
     """
     header, body = _checked(blob, expect_codec, tuple(out.shape), out.dtype)
     impl = _codecs.get_codec(header.codec)
     try:
         params = impl.params_from_header(header.codec_params)
-        if out.is_contiguous() and (out.device.type == "cpu" or not impl.lossless):
-            impl.decode_into(body, params, out)
+        target = out.permute(header.dim_order) if out.dim() else out
+        if target.is_contiguous() and (out.device.type == "cpu" or not impl.lossless):
+            impl.decode_into(body, params, target)
         else:
-            out.copy_(impl.decode(body, header.shape, header.dtype, params))
+            out.copy_(impl.decode(body, header.body_shape, header.dtype, params).permute(_inverse(header.dim_order))
+                      if out.dim() else impl.decode(body, header.shape, header.dtype, params))
     except (ValueError, RuntimeError) as exc:
         raise PayloadError(f"codec {header.codec!r} failed to decode the payload: {exc}") from exc
     return out

@@ -11,7 +11,11 @@ ones ``docs/internals.md`` fixes:
   ``flowkv.tier``, ``flowkv.hit_tokens``, and ``flowkv.layer`` when layerwise;
 * from the vLLM connector: ``flowkv.wait`` (``flowkv.layer``) for each
   interval the inference thread is blocked on a layer's transfer, and
-  ``flowkv.step`` per engine step.
+  ``flowkv.step`` per engine step;
+* on transfer stages (gather, scatter), what their ``flowkv.kernels.TransferProbe``
+  counted: ``flowkv.faults``, ``flowkv.cpu_ns``, ``flowkv.preempted``,
+  ``flowkv.row_bytes``; and on the resource, ``flowkv.host.copy_gbps``, the
+  machine's copy bandwidth the process measured when it started tracing.
 
 Example::
 
@@ -44,6 +48,7 @@ __all__ = [
     "main",
     "summarize",
     "timeline",
+    "trace_copy_gbps",
 ]
 
 RUN_ROOT_NAMES = frozenset({"flowkv.store", "flowkv.retrieve", "flowkv.lookup"})
@@ -60,6 +65,15 @@ SMALL_CHUNK_BYTES = 256 << 10  # a tier call moving less than this is call-bound
 MISSING_TIER_SHARE = 0.2
 STEP_SHARE_FOR_LAYERWISE = 0.2
 MIN_ITEMS_FOR_BATCHING = 16
+FAR_BELOW_COPY = 0.5  # a transfer stage slower than this share of the machine's copy bandwidth
+FAULTED_SHARE = 0.25  # of a transfer's bytes landing on pages it faulted in: first-touch faults
+CONTENDED_CPU_SHARE = 0.75  # the transferring thread on a core less than this share of the time
+SHORT_ROW_BYTES = 4096  # rows shorter than this make a gather/scatter slower than a copy
+SHORT_CALL_NS = 250_000  # a transfer call this short at copy speed pays mostly its fixed cost
+COPY_GBPS_ATTRIBUTE = "flowkv.host.copy_gbps"
+_PROBE_ATTRIBUTES = ("flowkv.faults", "flowkv.cpu_ns", "flowkv.preempted")
+_TRANSFER_STAGES = frozenset({"gather", "scatter"})
+_PAGE_BYTES = 4096
 
 
 @attrs.frozen
@@ -76,6 +90,12 @@ class StageStats:
     errors: int
     share: float  # own_ns / own time of all stages of this kind
     tiers: tuple[str, ...] = ()  # flowkv.tier values the stage reported
+    gbps: float | None = None  # total_bytes / own time, GB/s; None without bytes or time
+    transfer: bool = False  # moves KV between the engine's cache and chunk buffers (gather, scatter)
+    faults: int | None = None  # page faults during its transfers (None: not recorded)
+    cpu_ns: int | None = None  # CPU time of the transferring thread
+    preempted: int | None = None  # involuntary context switches meanwhile
+    row_bytes: int | None = None  # the shortest row one copy moved
 
 
 @attrs.frozen
@@ -117,6 +137,8 @@ class Summary:
     blocked_ns: int
     overlap_ratio: float | None  # None without layer spans or without flowkv.wait spans
     suggestions: tuple[str, ...]
+    copy_gbps: float | None = None  # the machine's copy bandwidth transfer stages are held against
+    copy_gbps_source: str = ""  # "trace" (resource attribute), "given", "measured by summarize", ""
 
 
 # --------------------------------------------------------------------------
@@ -202,7 +224,16 @@ def _stage_kind(span: SpanRecord, by_id: dict[str, SpanRecord]) -> str:
 # --------------------------------------------------------------------------
 
 
-def summarize(spans: Sequence[SpanRecord]) -> Summary:
+def trace_copy_gbps(spans: Sequence[SpanRecord]) -> float | None:
+    """The copy bandwidth the traced processes recorded (``flowkv.host.copy_gbps`` on their
+    resource); the median when several did, None when none did."""
+    values = sorted({float(span.resource[COPY_GBPS_ATTRIBUTE]) for span in spans
+                     if isinstance(span.resource.get(COPY_GBPS_ATTRIBUTE), (int, float))})
+    return values[len(values) // 2] if values else None
+
+
+def summarize(spans: Sequence[SpanRecord], *, copy_gbps: float | None = None,
+              copy_gbps_source: str = "given") -> Summary:
     """Where time goes in a flowkv trace.
 
     **Own time per stage.** ``flowkv.own_time_ns`` when the span has it (the
@@ -240,8 +271,17 @@ def summarize(spans: Sequence[SpanRecord]) -> Summary:
     has no predecessor and adds nothing; a layer with no such interval has
     ``compute_ns`` None.
 
+    **Bytes per second.** A stage that reports bytes gets ``gbps``, its bytes
+    over its own time. Transfer stages (gather, scatter, or any stage whose
+    spans carry a ``TransferProbe``'s attributes) are held against the
+    machine's copy bandwidth: ``copy_gbps`` when given, else the one the
+    trace's resources recorded (``copy_gbps_source`` says which).
+
     ``suggestions`` come from ``suggest`` (rules documented there).
     """
+    if copy_gbps is None:
+        copy_gbps = trace_copy_gbps(spans)
+        copy_gbps_source = "trace" if copy_gbps is not None else ""
     by_id = {span.span_id: span for span in spans}
 
     runs: dict[str, int] = defaultdict(int)
@@ -266,7 +306,8 @@ def summarize(spans: Sequence[SpanRecord]) -> Summary:
         name = span.attributes.get("flowkv.stage")
         name = name if isinstance(name, str) else span.name
         entry = totals.setdefault(
-            (kind, name), {"count": 0, "own": 0, "measured": True, "bytes": 0, "items": 0, "errors": 0, "tiers": set()}
+            (kind, name), {"count": 0, "own": 0, "measured": True, "bytes": 0, "items": 0, "errors": 0, "tiers": set(),
+                           "probe": None, "rows": None}
         )
         own = span.attributes.get("flowkv.own_time_ns")
         if isinstance(own, int) and not isinstance(own, bool):
@@ -280,6 +321,12 @@ def summarize(spans: Sequence[SpanRecord]) -> Summary:
         entry["bytes"] += _int_attr(span, "flowkv.bytes")
         entry["items"] += _int_attr(span, "flowkv.items_out")
         entry["errors"] += int("flowkv.error" in span.attributes or span.status_code == "error")
+        if any(key in span.attributes for key in _PROBE_ATTRIBUTES):
+            probe = entry["probe"] or [0, 0, 0]
+            entry["probe"] = [total + _int_attr(span, key) for total, key in zip(probe, _PROBE_ATTRIBUTES)]
+        rows = _int_attr(span, "flowkv.row_bytes")
+        if rows and (entry["rows"] is None or rows < entry["rows"]):
+            entry["rows"] = rows
 
         tier = span.attributes.get("flowkv.tier")
         if isinstance(tier, str):
@@ -308,6 +355,12 @@ def summarize(spans: Sequence[SpanRecord]) -> Summary:
                     errors=e["errors"],
                     share=e["own"] / kind_own[kind] if kind_own[kind] else 0.0,
                     tiers=tuple(sorted(e["tiers"])),
+                    gbps=e["bytes"] / e["own"] if e["bytes"] and e["own"] > 0 else None,
+                    transfer=name in _TRANSFER_STAGES or e["probe"] is not None,
+                    faults=None if e["probe"] is None else e["probe"][0],
+                    cpu_ns=None if e["probe"] is None else e["probe"][1],
+                    preempted=None if e["probe"] is None else e["probe"][2],
+                    row_bytes=e["rows"],
                 )
                 for (kind, name), e in totals.items()
             ),
@@ -391,6 +444,8 @@ def summarize(spans: Sequence[SpanRecord]) -> Summary:
         blocked_ns=blocked_ns,
         overlap_ratio=overlap_ratio,
         suggestions=(),
+        copy_gbps=copy_gbps,
+        copy_gbps_source=copy_gbps_source if copy_gbps is not None else "",
     )
     return attrs.evolve(summary, suggestions=tuple(suggest(summary)))
 
@@ -429,6 +484,15 @@ def suggest(summary: Summary) -> list[str]:
        over all its lookup/retrieve spans yet took at least
        [MISSING_TIER_SHARE] of lookup+retrieve stage time, while another
        tier hit: move it later in the tier order, or drop it.
+    9. **A transfer far below the copy bandwidth.** A transfer stage whose
+       bytes per second are under [FAR_BELOW_COPY] of the machine's copy
+       bandwidth, with the likely cause the probe tells apart, each that
+       applies: *first-touch page faults* (page faults for at least
+       [FAULTED_SHARE] of its bytes, in 4 KiB pages); *thread contention*
+       (the transferring thread on a core for under [CONTENDED_CPU_SHARE] of
+       the stage's time); *layout* (copies of rows under [SHORT_ROW_BYTES]);
+       *per-call cost* (chunks that take under [SHORT_CALL_NS] each at copy
+       speed).
     """
     advice: list[str] = []
     ratio = summary.overlap_ratio
@@ -486,6 +550,11 @@ def suggest(summary: Summary) -> list[str]:
                 f"{stage.share:.0%} of {stage.kind} time: raise `chunk_size` so each tier call carries more."
             )
 
+    if summary.copy_gbps:
+        for stage in summary.stages:
+            if stage.transfer and stage.gbps is not None and stage.gbps < FAR_BELOW_COPY * summary.copy_gbps:
+                advice.append(_slow_transfer(stage, summary.copy_gbps))
+
     tier_time = sum(t.own_ns for t in summary.tiers)
     if tier_time and any(t.hit_tokens for t in summary.tiers):
         for tier in summary.tiers:
@@ -498,6 +567,44 @@ def suggest(summary: Summary) -> list[str]:
     if not advice:
         advice.append("No setting stands out from these numbers.")
     return advice
+
+
+def _slow_transfer(stage: StageStats, copy_gbps: float) -> str:
+    """Rule 9's advice for one transfer stage: how far below the copy bandwidth, and why."""
+    label = f"{stage.kind}/{stage.stage}" if stage.kind else stage.stage
+    causes = []
+    if stage.faults is not None and stage.faults * _PAGE_BYTES >= FAULTED_SHARE * stage.total_bytes:
+        causes.append(
+            f"first-touch page faults ({stage.faults} faults for {_bytes(stage.total_bytes)}, "
+            f"{stage.faults * _PAGE_BYTES / stage.total_bytes:.0%} of its bytes in 4 KiB pages): the chunk memory "
+            "was never written before; keep `[tiers.memory] prefault` on (the default) and let the arena's "
+            "pre-fault finish before traffic arrives"
+        )
+    if stage.cpu_ns is not None and stage.own_ns and stage.cpu_ns < CONTENDED_CPU_SHARE * stage.own_ns:
+        causes.append(
+            f"thread contention (the transferring thread was on a core {stage.cpu_ns / stage.own_ns:.0%} of the "
+            f"time, {stage.preempted or 0} preemptions): other threads held the cores, e.g. the inference "
+            "engine's OpenMP workers or other processes; give flowkv's copies a core of their own"
+        )
+    if stage.row_bytes is not None and stage.row_bytes < SHORT_ROW_BYTES:
+        causes.append(
+            f"layout (its copies move rows of {_bytes(stage.row_bytes)}): rows are whole blocks only when a "
+            "chunk is whole blocks of the cache, so make `chunk_size` a multiple of the block size (a partial "
+            "last chunk moves token by token), and keep chunk buffers in the engine's format (chunk format 2)"
+        )
+    per_item = stage.total_bytes / stage.items_out if stage.items_out else 0
+    if per_item and per_item / copy_gbps < SHORT_CALL_NS:
+        causes.append(
+            f"per-call cost (each chunk moves {_bytes(per_item)}, {per_item / copy_gbps / 1e3:.0f} us at copy "
+            "speed, so the fixed cost of a transfer call, tens of us, weighs): a larger `chunk_size` moves "
+            "more per call"
+        )
+    if not causes:
+        causes.append("none that the trace records (no page faults, contention, short rows or small chunks)")
+    return (
+        f"Transfer stage {label} moves {stage.gbps:.1f} GB/s, {stage.gbps / copy_gbps:.0%} of this machine's "
+        f"copy bandwidth ({copy_gbps:.1f} GB/s). Likely cause: " + "; ".join(causes) + "."
+    )
 
 
 # --------------------------------------------------------------------------
@@ -527,15 +634,23 @@ def format_summary(summary: Summary) -> str:
         lines.append(f"engine steps: {_ms(summary.step_ns)}")
     lines.append("")
     if summary.stages:
-        lines.append(f"{'stage':<28} {'runs':>6} {'own time':>14} {'share':>6} {'bytes':>11} {'items':>7}")
+        lines.append(f"{'stage':<28} {'runs':>6} {'own time':>14} {'share':>6} {'bytes':>11} {'items':>7} "
+                     f"{'GB/s':>7} {'x copy':>7}")
         for s in summary.stages:
             label = (f"{s.kind}/{s.stage}" if s.kind else s.stage) + ("" if s.own_time_measured else " *")
+            versus = f"{s.gbps / summary.copy_gbps:.2f}" if s.transfer and s.gbps and summary.copy_gbps else "-"
             lines.append(
                 f"{label:<28} {s.count:>6} {_ms(s.own_ns):>14} {s.share:>6.0%} "
-                f"{_bytes(s.total_bytes) if s.total_bytes else '-':>11} {s.items_out:>7}"
+                f"{_bytes(s.total_bytes) if s.total_bytes else '-':>11} {s.items_out:>7} "
+                f"{f'{s.gbps:.2f}' if s.gbps is not None else '-':>7} {versus:>7}"
             )
         if not all(s.own_time_measured for s in summary.stages):
             lines.append("  * no flowkv.own_time_ns: duration minus child spans (an upper bound)")
+        if summary.copy_gbps:
+            where = {"trace": "recorded in the trace", "given": "given",
+                     "measured by summarize": "measured now by summarize on this machine"}
+            lines.append(f"x copy: a transfer stage's GB/s over this machine's copy bandwidth, "
+                         f"{summary.copy_gbps:.1f} GB/s ({where.get(summary.copy_gbps_source, summary.copy_gbps_source)})")
         lines.append("slowest: " + ", ".join(summary.slowest))
     else:
         lines.append("no stage spans found")
@@ -722,7 +837,16 @@ def _load(path: str) -> list[SpanRecord]:
 
 
 def _run_summarize(args: argparse.Namespace) -> int:
-    summary = summarize(_load(args.file))
+    spans = _load(args.file)
+    if args.copy_gbps is not None:
+        summary = summarize(spans, copy_gbps=args.copy_gbps, copy_gbps_source="given")
+    elif trace_copy_gbps(spans) is None and not args.no_measure:
+        # The trace predates the resource attribute (or came from elsewhere): measure here.
+        from flowkv.kernels import copy_gbps
+
+        summary = summarize(spans, copy_gbps=round(copy_gbps(), 2), copy_gbps_source="measured by summarize")
+    else:
+        summary = summarize(spans)
     if args.json:
         print(json.dumps(attrs.asdict(summary), indent=2))
     else:
@@ -764,13 +888,21 @@ def add_commands(subparsers) -> None:
         "summarize",
         help="per-stage own time, per-layer overlap, and what to tune",
         description=(
-            "Print per-stage own time, counts and bytes; per-layer transfer vs compute; the overlap ratio "
+            "Print per-stage own time, counts, bytes and bytes per second (transfer stages next to the "
+            "machine's copy bandwidth); per-layer transfer vs compute; the overlap ratio "
             "(share of layer transfer time not spent with the inference thread blocked in flowkv.wait); "
-            "the slowest stages; and suggested pipeline settings to change."
+            "the slowest stages; and suggested pipeline settings to change, with the likely cause of a slow "
+            "transfer (first-touch page faults, thread contention, layout)."
         ),
     )
     summarize_parser.add_argument("file", metavar="FILE", help="OTLP/JSON trace file")
     summarize_parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    summarize_parser.add_argument(
+        "--copy-gbps", type=float, default=None, metavar="GBPS",
+        help="the copy bandwidth to hold transfers against (default: the one the trace recorded; "
+             "for a trace without one, measured now on this machine)")
+    summarize_parser.add_argument("--no-measure", action="store_true",
+                                  help="never measure the copy bandwidth here")
     summarize_parser.set_defaults(func=_guarded(_run_summarize))
 
     timeline_parser = commands.add_parser(

@@ -6,19 +6,24 @@
 >>> g = KVGeometry("flash_kv_nhd", 2, 4, 64, 16, torch.float16)
 >>> src, dst = make_paged_kv(g, 8, seed=0), make_paged_kv(g, 8, seed=0, fill=False)
 >>> slots = random_slot_mapping(50, g, 8, seed=3)
->>> chunk = gather(src, g, slots, torch.empty(g.chunk_shape(50), dtype=g.dtype))
+>>> chunk = gather(src, g, slots, g.empty_chunk(50))
 >>> scatter(chunk, dst, g, slots)
 """
 
-from .bench import bench_gather_scatter
-from .geometry import LAYOUTS, KVGeometry, canonical_view, detect_layout
+from .bench import bench_gather_scatter, copy_gbps
+from .geometry import LAYOUTS, ChunkShape, KVGeometry, canonical_view, dense_order, detect_layout
+from .probe import TransferProbe
 from .transfer import gather, scatter, triton_available
 
 __all__ = [
     "LAYOUTS",
+    "ChunkShape",
     "KVGeometry",
+    "TransferProbe",
     "bench_gather_scatter",
     "canonical_view",
+    "copy_gbps",
+    "dense_order",
     "detect_layout",
     "gather",
     "scatter",

@@ -10,7 +10,9 @@ import torch
 from .geometry import KVGeometry
 from .transfer import gather, scatter
 
-__all__ = ["bench_gather_scatter"]
+__all__ = ["bench_gather_scatter", "copy_gbps"]
+
+_copy_gbps: float | None = None
 
 
 def _best_seconds(step: Callable[[], object], repeats: int, device: torch.device) -> float:
@@ -40,7 +42,8 @@ def bench_gather_scatter(
     seed: int = 0,
 ) -> dict[str, float]:
     """Gather and scatter ``num_tokens`` tokens of a synthetic paged cache whose
-    blocks are in random order, and a plain ``copy_`` of the same bytes.
+    blocks are in random order, into and out of a chunk buffer in the geometry's
+    format, and a plain ``copy_`` of the same bytes.
 
     The default geometry is 8 layers x 8 KV heads x head 128, bf16, block 16,
     ``cpu`` layout. Returns GB/s (``gather_gbps``, ``scatter_gbps``,
@@ -57,7 +60,7 @@ def bench_gather_scatter(
     num_blocks = num_blocks or 2 * blocks_needed
     caches = make_paged_kv(geometry, num_blocks, seed=seed, device=device)
     slots = random_slot_mapping(num_tokens, geometry, num_blocks, seed=seed + 1).to(device)
-    chunk = torch.empty(geometry.chunk_shape(num_tokens), dtype=geometry.dtype, device=device)
+    chunk = geometry.empty_chunk(num_tokens, device=device)
     copy_src = torch.empty_like(chunk)
     nbytes = chunk.numel() * chunk.element_size()
 
@@ -75,3 +78,23 @@ def bench_gather_scatter(
         "gather_vs_copy": gbps["gather"] / gbps["copy"],
         "scatter_vs_copy": gbps["scatter"] / gbps["copy"],
     }
+
+
+def copy_gbps(nbytes: int = 64 << 20, repeats: int = 3, *, cached: bool = True) -> float:
+    """This machine's copy bandwidth in GB/s: the best of ``repeats`` torch copies of
+    ``nbytes`` between two buffers already written (with torch's threads, as the
+    kernels run). The first answer is kept for the process unless ``cached`` is False:
+    it is the yardstick traces compare transfers with, measured once at start.
+
+    >>> copy_gbps(1 << 20, cached=False) > 0
+    True
+    """
+    global _copy_gbps
+    if cached and _copy_gbps is not None:
+        return _copy_gbps
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    gbps = nbytes / _best_seconds(lambda: dst.copy_(src), repeats, torch.device("cpu")) / 1e9
+    if cached:
+        _copy_gbps = gbps
+    return gbps

@@ -23,16 +23,47 @@ Layouts, per layer tensor:
 ``flash_blocks_hnd`` ``(num_blocks, 2, num_kv_heads, block_size, head_size)``
 ``mla``              ``(num_blocks, block_size, head_size)``
 ===================  ==================================================
+
+The chunk buffer
+----------------
+
+A chunk's KV, out of the cache, is seen by everything outside ``kernels/``
+through one *logical* shape, ``(num_layers, kv, num_tokens, num_kv_heads,
+head_size)`` (`KVGeometry.chunk_shape`). Its bytes are laid out in the
+cache's own order where that keeps the cache's rows long (chunk format 2):
+
+===================  =====================================  ============
+layout               physical order of the chunk buffer     one copy is
+===================  =====================================  ============
+``cpu``              ``(layers, heads, tokens, kv, dim)``    a block of one head
+                                                            (keys and values)
+``flash_*_hnd``      ``(layers, kv, heads, tokens, dim)``    a block of one head
+``flash_*_nhd``,     ``(layers, kv, tokens, heads, dim)``    a block (all heads)
+``mla``              (the logical order)
+===================  =====================================  ============
+
+``KVGeometry.chunk_order`` is that order as a permutation of the logical
+dims; `KVGeometry.chunk_view` gives the logical (strided) view of a physical
+buffer, and `KVGeometry.chunk_shape` returns a `ChunkShape`, a tuple that
+also carries the order, so an allocator lays a chunk out this way
+(`flowkv.memory.MemoryArena.allocate`). The format does not depend on the
+chunk's length: a partial chunk, or one that does not start on a block,
+is laid out alike and copied in shorter rows (one token's keys and values of
+one head on ``cpu``). A chunk of another order still moves correctly, in
+shorter rows. Chunks of another format never meet: the order is part of
+`KVGeometry.fingerprint`, which is part of every cache key, and payloads
+carry it in their header (`flowkv.payload`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import attrs
 import torch
 
-__all__ = ["LAYOUTS", "KVGeometry", "detect_layout", "canonical_view", "as_layer_list"]
+__all__ = ["LAYOUTS", "ChunkShape", "KVGeometry", "detect_layout", "canonical_view", "as_layer_list", "dense_order"]
 
 LAYOUTS: tuple[str, ...] = (
     "cpu",
@@ -55,6 +86,75 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {
 for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
     if hasattr(torch, _name):
         _DTYPE_NAMES[getattr(torch, _name)] = _name.replace("float", "f")
+
+
+# Physical order of a chunk buffer, as a permutation of the logical dims
+# (layers, kv, tokens, heads, head_size); see "The chunk buffer" above.
+_LOGICAL_ORDER = (0, 1, 2, 3, 4)
+_CHUNK_ORDERS: dict[str, tuple[int, ...]] = {
+    "cpu": (0, 3, 2, 1, 4),
+    "flash_kv_hnd": (0, 1, 3, 2, 4),
+    "flash_blocks_hnd": (0, 1, 3, 2, 4),
+    "flash_kv_nhd": _LOGICAL_ORDER,
+    "flash_blocks_nhd": _LOGICAL_ORDER,
+    "mla": _LOGICAL_ORDER,
+}
+# One letter per logical dim, for fingerprints: layers, kv, tokens, heads, dim.
+_DIM_LETTERS = "lkthd"
+
+
+class ChunkShape(tuple):
+    """A chunk's logical shape that also names the order its buffer is laid out in.
+
+    Equal to (and usable as) the plain shape tuple; ``dim_order`` is the
+    physical order of the dims, outermost first, as a permutation of them.
+
+    >>> shape = ChunkShape((2, 2, 16, 4, 8), (0, 3, 2, 1, 4))
+    >>> shape == (2, 2, 16, 4, 8), shape.physical
+    (True, (2, 4, 16, 2, 8))
+    """
+
+    dim_order: tuple[int, ...]
+
+    def __new__(cls, shape, dim_order) -> ChunkShape:
+        self = super().__new__(cls, (int(d) for d in shape))
+        order = tuple(int(d) for d in dim_order)
+        if sorted(order) != list(range(len(self))):
+            raise ValueError(f"dim_order {order} is not a permutation of the {len(self)} dims of {tuple(self)}")
+        self.dim_order = order
+        return self
+
+    @property
+    def physical(self) -> tuple[int, ...]:
+        """The buffer's shape in its physical order."""
+        return tuple(self[d] for d in self.dim_order)
+
+    def __reduce__(self):
+        return ChunkShape, (tuple(self), self.dim_order)
+
+
+def dense_order(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The order of a tensor's dims (outermost first) in which its elements are one contiguous
+    run, or None when they are not (a slice with gaps, a broadcast view).
+
+    >>> dense_order(torch.empty(2, 3, 4).permute(2, 0, 1))
+    (1, 2, 0)
+    """
+    return _dense_order(tuple(tensor.shape), tensor.stride())
+
+
+@functools.lru_cache(maxsize=256)
+def _dense_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...] | None:
+    # Size-1 dims can sit anywhere: they go innermost, in their own order.
+    order = tuple(sorted(range(len(shape)), key=lambda d: (-stride[d] if shape[d] > 1 else 0, d)))
+    if 0 in shape:
+        return order
+    expected = 1
+    for d in reversed(order):
+        if shape[d] > 1 and stride[d] != expected:
+            return None
+        expected *= shape[d]
+    return order
 
 
 def _positive(instance, attribute, value) -> None:
@@ -98,9 +198,37 @@ class KVGeometry:
         """2 (keys and values) or 1 (MLA's single latent)."""
         return 1 if self.layout == "mla" else 2
 
-    def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
-        """Shape of a contiguous chunk buffer holding ``num_tokens`` tokens of every layer."""
-        return (self.num_layers, self.kv, num_tokens, self.num_kv_heads, self.head_size)
+    @property
+    def chunk_order(self) -> tuple[int, ...]:
+        """The physical order of a chunk buffer's dims, as a permutation of the logical
+        ``(layers, kv, tokens, heads, head_size)`` (see "The chunk buffer" above).
+
+        >>> KVGeometry("cpu", 2, 8, 128, 16, torch.bfloat16).chunk_order
+        (0, 3, 2, 1, 4)
+        """
+        return _CHUNK_ORDERS[self.layout]
+
+    def chunk_shape(self, num_tokens: int) -> ChunkShape:
+        """The logical shape of a chunk of ``num_tokens`` tokens of every layer,
+        ``(layers, kv, tokens, heads, head_size)``, carrying `chunk_order`."""
+        return ChunkShape((self.num_layers, self.kv, num_tokens, self.num_kv_heads, self.head_size),
+                          self.chunk_order)
+
+    def chunk_view(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The logical view of a chunk buffer laid out in `chunk_order` (its physical shape).
+
+        >>> g = KVGeometry("cpu", 2, 8, 128, 16, torch.bfloat16)
+        >>> buffer = torch.empty(g.chunk_shape(32).physical, dtype=g.dtype)
+        >>> g.chunk_view(buffer).shape
+        torch.Size([2, 2, 32, 8, 128])
+        """
+        order = self.chunk_order
+        inverse = tuple(order.index(d) for d in range(len(order)))
+        return buffer.permute(inverse)
+
+    def empty_chunk(self, num_tokens: int, *, device: str | torch.device = "cpu") -> torch.Tensor:
+        """A new chunk buffer of ``num_tokens`` tokens in this geometry's format (logical view)."""
+        return self.chunk_view(torch.empty(self.chunk_shape(num_tokens).physical, dtype=self.dtype, device=device))
 
     def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The engine's tensor shape for one layer in this layout, with ``num_blocks`` blocks.
@@ -126,14 +254,18 @@ class KVGeometry:
 
     def fingerprint(self) -> str:
         """A short string, stable across processes and versions, that changes
-        whenever chunks of this geometry stop being interchangeable.
+        whenever chunks of this geometry stop being interchangeable: a chunk
+        buffer whose order is not the logical one adds it (chunk format 2).
 
         >>> KVGeometry("cpu", 2, 8, 128, 16, torch.bfloat16).fingerprint()
-        'cpu-l2-h8-d128-b16-bf16'
+        'cpu-l2-h8-d128-b16-bf16-lhtkd'
+        >>> KVGeometry("flash_kv_nhd", 2, 8, 128, 16, torch.bfloat16).fingerprint()
+        'flash_kv_nhd-l2-h8-d128-b16-bf16'
         """
+        order = "" if self.chunk_order == _LOGICAL_ORDER else "-" + "".join(_DIM_LETTERS[d] for d in self.chunk_order)
         return (
             f"{self.layout}-l{self.num_layers}-h{self.num_kv_heads}-d{self.head_size}"
-            f"-b{self.block_size}-{_DTYPE_NAMES[self.dtype]}"
+            f"-b{self.block_size}-{_DTYPE_NAMES[self.dtype]}{order}"
         )
 
 

@@ -1,39 +1,78 @@
 """Gather/scatter between paged KV and chunk buffers with plain torch ops (CPU and CUDA).
 
-Every transfer is one ``index_select`` (gather) or ``index_copy_`` (scatter)
-over *rows*: the longest runs of elements that are contiguous both in the
-engine's cache and in the chunk buffer. A row is
+Every transfer copies *rows*: the longest runs of elements that are contiguous
+both in the engine's cache and in the chunk buffer, found from the strides of
+both. The chunk buffer may be laid out in any order of its dims;
+``KVGeometry.chunk_order`` picks the one that keeps the cache's own rows whole.
+Walking the chunk's dims from the innermost out, a dim joins the row while it
+continues it on both sides:
 
-* one head's ``head_size`` values, when heads are not adjacent in the cache
-  (the ``cpu`` and ``*_hnd`` layouts interleave heads with block offsets);
-* one token's ``num_kv_heads * head_size`` values (``*_nhd``, ``mla``);
-* one whole block's tokens, when every block the slot mapping touches is
-  copied whole and in order (``*_nhd``, ``mla``).
+* ``cpu`` cache, chunk in its format ``(layers, heads, tokens, kv, dim)``: the
+  head dim, keys and values (side by side in the cache), and a block's token
+  offsets — one row is one head's block, ``block_size * 2 * head_size`` values;
+* ``*_hnd``: one head's block, ``block_size * head_size`` values;
+* ``*_nhd`` and ``mla``: a whole block of all heads.
+
+Token offsets join a row only when every block the slot mapping touches is
+copied whole and in order (``whole_block_ids``); otherwise a row ends at one
+token of one head (or of all heads, where heads are adjacent), and the token
+dim maps through the slot mapping. A chunk in another order (a decoded
+payload, a caller's contiguous tensor) moves correctly, in shorter rows.
 
 All layers that are views of one storage at a fixed distance (vLLM's CPU
 backend allocates one buffer for all layers) form one group and move in one
 call; the row index then spans the layers too. Rows are moved as the widest
 integer type that tiles them: a bitwise copy that works for dtypes the index
-kernels lack (fp8), and ``index_copy_`` copies element by element, so wider
-elements mean fewer of them.
+kernels lack (fp8). Gather is one ``index_select`` into the chunk's rows
+(a memcpy per row, over torch's threads). Scatter is one ``index_copy_``,
+except rows of 2 KiB and more into a CPU cache: ``index_copy_`` copies element
+by element, so those are copied by numpy's row assignment, one memcpy per row
+without the GIL, by the calling thread and a helper thread that takes pieces
+while it is free (no OpenMP team, whose barrier waits for a core another
+process holds; see ``NUMPY_GATHER`` for gathering so too).
 
 The reference path (``_gather_by_indexing`` / ``_scatter_by_indexing``) uses
-advanced indexing on the canonical view; it is used when a cache's strides
-do not allow rows (head dim not contiguous, offsets that are not row
-multiples).
+advanced indexing on the canonical view; it is used when no row longer than
+one element fits (a head dim that is not contiguous).
 """
 
 from __future__ import annotations
 
 import functools
+import queue
+import threading
+from collections.abc import Callable
 
+import numpy as np
 import torch
+
+from .geometry import dense_order
+from .probe import note_row_bytes
 
 __all__ = ["gather_groups", "scatter_groups", "whole_block_ids"]
 
 # A group: (index of its first layer in the chunk buffer, a
 # (num_layers, kv, num_blocks, block_size, num_kv_heads, head_size) view).
 LayerGroup = tuple[int, torch.Tensor]
+
+# Scatter of rows at least this long (bytes) into a CPU cache is done by numpy (one memcpy
+# per row, where index_copy_ copies element by element); shorter rows by index_copy_,
+# which pays less per row.
+NUMPY_MIN_ROW_BYTES = 2048
+# Gather with numpy too (instead of index_select, which parallelizes a memcpy per row over
+# torch's OpenMP threads). Off: on this project's machine index_select was 0.1-0.25x of a
+# copy faster when the second core was free, but a parallel region waits at its barrier
+# for a core another process holds (8 ms for 64 rows, against 8 us single-threaded).
+NUMPY_GATHER = False
+# A CPU copy is cut into pieces of about this many bytes, which the caller and one helper
+# thread take turns at (see `_RowCopier`).
+PIECE_BYTES = 2 << 20
+# Whether a copy made on the main thread may use the helper thread.
+USE_HELPER = True
+
+# A dim of the copy, in the chunk's physical order: (size, stride in the chunk,
+# stride in the cache, or None for the one dim that maps through the slot mapping).
+_Dim = tuple[int, int, "int | None"]
 
 
 def whole_block_ids(slots: torch.Tensor, block_size: int) -> torch.Tensor | None:
@@ -42,6 +81,12 @@ def whole_block_ids(slots: torch.Tensor, block_size: int) -> torch.Tensor | None
     num_tokens = slots.numel()
     if num_tokens == 0 or num_tokens % block_size:
         return None
+    if slots.device.type == "cpu":  # a few numpy ops on a small array cost less than torch's
+        per_block = slots.numpy().reshape(-1, block_size)
+        starts = per_block[:, 0]
+        if (starts % block_size).any() or not (per_block - starts[:, None] == _np_offsets(block_size)).all():
+            return None
+        return torch.from_numpy(starts // block_size)
     per_block = slots.view(-1, block_size)
     starts = per_block[:, :1]
     offsets = _block_offsets(block_size, slots.device, slots.dtype)
@@ -51,23 +96,28 @@ def whole_block_ids(slots: torch.Tensor, block_size: int) -> torch.Tensor | None
 
 
 @functools.lru_cache(maxsize=64)
-def _frame_rows(device: torch.device, first: int, layers: tuple[int, int], kv: tuple[int, int],
-                heads: tuple[int, int]) -> torch.Tensor:
-    """Row of each (layer, kv, head) of slot 0, as a ``(layers, kv, 1, heads)`` index
-    (each pair: count, stride in rows). It depends only on the cache, not on the slots,
-    so it is built once per cache instead of on every call."""
-    def term(count_stride: tuple[int, int], dim: int) -> torch.Tensor:
-        count, stride = count_stride
-        shape = [1, 1, 1, 1]
-        shape[dim] = count
-        return (torch.arange(count, device=device) * stride).view(shape)
-
-    return first + term(layers, 0) + term(kv, 1) + term(heads, 3)
+def _np_offsets(block_size: int) -> np.ndarray:
+    return np.arange(block_size)
 
 
 @functools.lru_cache(maxsize=64)
 def _block_offsets(block_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return torch.arange(block_size, device=device, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _frame_rows(device: torch.device, first: int, shape: tuple[int, ...],
+                affine: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """The slot-independent part of the row index: ``first`` plus, for each
+    ``(position, stride in rows)``, an arange over that dim of ``shape``,
+    broadcast. It depends only on the cache and the chunk's order, so it is
+    built once per cache instead of on every call."""
+    frame = torch.full([1] * len(shape), first, dtype=torch.int64, device=device)
+    for position, stride in affine:
+        view = [1] * len(shape)
+        view[position] = shape[position]
+        frame = frame + (torch.arange(shape[position], device=device) * stride).view(view)
+    return frame
 
 
 def _widest_int(row_bytes: int, *tensors: torch.Tensor) -> torch.dtype:
@@ -78,51 +128,184 @@ def _widest_int(row_bytes: int, *tensors: torch.Tensor) -> torch.dtype:
     return torch.uint8
 
 
-def _row_plan(
-    group: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """(cache rows as an ``(N, row)`` tensor over the group's storage, the row
-    index in chunk order, row length in elements), or None if rows do not fit."""
-    num_layers, kv, _, block_size, heads, head_size = group.shape
-    s_layer, s_kv, s_block, s_offset, s_head, s_dim = group.stride()
-    if s_dim != 1 and head_size > 1:
-        return None
-    device = group.device
-    heads_adjacent = heads == 1 or s_head == head_size
-    candidates = []
-    if heads_adjacent and block_ids is not None and (block_size == 1 or s_offset == heads * head_size):
-        candidates.append(("block", block_size * heads * head_size))
-    if heads_adjacent:
-        candidates.append(("token", heads * head_size))
-    candidates.append(("head", head_size))
-    base = group.storage_offset()
-    for unit, row in candidates:
-        strides = [base, s_layer, s_kv, s_block]
-        if unit == "token":
-            strides.append(s_offset)
-        elif unit == "head":
-            strides += [s_offset, s_head]
-        if all(s % row == 0 for s in strides):
-            break
-    else:
-        return None
+def _copy_dims(group_shape: tuple[int, ...], group_stride: tuple[int, ...], chunk_shape: tuple[int, ...],
+               chunk_stride: tuple[int, ...], order: tuple[int, ...], whole_blocks: bool) -> list[_Dim]:
+    """The dims of the copy in the chunk's physical order (outermost first), size-1 dims left
+    out but for the one the slot mapping maps; the token dim splits into (block, offset)
+    when whole blocks are copied."""
+    num_layers, kv, _, block_size, heads, head_size = group_shape
+    s_layer, s_kv, s_block, s_offset, s_head, s_dim = group_stride
+    num_tokens = chunk_shape[2]
+    dims: list[_Dim] = []
+    for logical in order:
+        stride = chunk_stride[logical]
+        if logical == 2:
+            if whole_blocks:
+                dims += [(num_tokens // block_size, stride * block_size, None), (block_size, stride, s_offset)]
+            else:
+                dims.append((num_tokens, stride, None))
+            continue
+        size, cache_stride = ((num_layers, s_layer), (kv, s_kv), None, (heads, s_head), (head_size, s_dim))[logical]
+        dims.append((size, stride, cache_stride))
+    return [dim for dim in dims if dim[0] > 1 or dim[2] is None]
 
-    if unit == "block":
-        per_token = block_ids * (s_block // row)
+
+# A row plan that does not depend on the slots: row length, the shape of the index
+# (outer dims in the chunk's order), its affine terms, where the slot-mapped dim sits,
+# and a block's and a block offset's stride in rows.
+_StaticPlan = tuple[int, tuple[int, ...], tuple[tuple[int, int], ...], int, int, int]
+
+
+def _row_plan(
+    group: torch.Tensor, chunk: torch.Tensor, order: tuple[int, ...], slots: torch.Tensor,
+    block_ids: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """(cache rows as an ``(N, row)`` tensor over the group's storage, the row index in
+    the chunk's physical order, row length in elements), or None if no row fits."""
+    static = _static_plan(tuple(group.shape), group.stride(), group.storage_offset(), tuple(chunk.shape),
+                          chunk.stride(), order, block_ids is not None)
+    if static is None:
+        return None
+    row, shape, affine, mapped, block_rows, offset_rows = static
+    index = _frame_rows(group.device, group.storage_offset() // row, shape, affine)
+    if block_ids is not None:
+        per_slot = block_ids * block_rows
     else:
-        per_token = (slots // block_size) * (s_block // row) + (slots % block_size) * (s_offset // row)
-    head_rows = (heads, s_head // row) if unit == "head" else (1, 0)
-    frame = _frame_rows(device, base // row, (num_layers, s_layer // row), (kv, s_kv // row), head_rows)
-    index = frame + per_token.view(1, 1, -1, 1)
+        block_size = group.shape[3]
+        per_slot = (slots // block_size) * block_rows + (slots % block_size) * offset_rows
+    view = [1] * len(shape)
+    view[mapped] = shape[mapped]
+    index = index + per_slot.to(index.device).view(view)
     storage_elems = group.untyped_storage().nbytes() // group.element_size()
     rows = group.as_strided((storage_elems // row, row), (row, 1), 0)
     return rows, index.reshape(-1), row
 
 
-def _as_wide(cache_rows: torch.Tensor, chunk: torch.Tensor, row: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both sides' rows reinterpreted as the same wide integer type (a bitwise copy)."""
-    bits = _widest_int(row * chunk.element_size(), chunk)
-    return cache_rows.view(bits), chunk.view(-1, row).view(bits)
+@functools.lru_cache(maxsize=256)
+def _static_plan(group_shape: tuple[int, ...], group_stride: tuple[int, ...], base: int,
+                 chunk_shape: tuple[int, ...], chunk_stride: tuple[int, ...], order: tuple[int, ...],
+                 whole_blocks: bool) -> _StaticPlan | None:
+    """The slot-independent part of `_row_plan`, from shapes and strides alone (cached:
+    an engine moves chunks of a few shapes between the same caches)."""
+    dims = _copy_dims(group_shape, group_stride, chunk_shape, chunk_stride, order, whole_blocks)
+    _, _, s_block, s_offset, _, _ = group_stride
+    # Row lengths the innermost dims can make, longest last: a dim joins while it
+    # continues the row in the chunk and in the cache alike.
+    lengths, inner = [1], 0
+    for size, chunk_stride, cache_stride in reversed(dims):
+        if cache_stride is None or chunk_stride != lengths[-1] or cache_stride != lengths[-1]:
+            break
+        lengths.append(lengths[-1] * size)
+        inner += 1
+    for merged in range(inner, 0, -1):
+        row = lengths[merged]
+        outer = dims[: len(dims) - merged]
+        offsets = [base] + [cache for _, _, cache in outer if cache is not None]
+        offsets += [s_block] + ([s_offset] if not whole_blocks else [])
+        if all(offset % row == 0 for offset in offsets):
+            break
+    else:
+        return None
+    shape = tuple(size for size, _, _ in outer)
+    affine = tuple((i, cache // row) for i, (_, _, cache) in enumerate(outer) if cache is not None)
+    # The slot-mapped dim is never merged into a row, so it is always among the outer dims.
+    (mapped,) = (i for i, (_, _, cache) in enumerate(outer) if cache is None)
+    return row, shape, affine, mapped, s_block // row, s_offset // row
+
+
+class _Job:
+    """One copy cut into ``count`` pieces; whoever is free takes the next one."""
+
+    def __init__(self, count: int, piece: Callable[[int], None]) -> None:
+        self.count = count
+        self.piece = piece
+        self.next = 0
+        self.busy = 0  # pieces a helper has in hand
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+
+    def work(self, helper: bool) -> None:
+        while True:
+            with self.cond:
+                if self.next >= self.count or self.error is not None:
+                    return
+                index = self.next
+                self.next += 1
+                self.busy += helper
+            try:
+                self.piece(index)
+            except BaseException as exc:  # handed to the caller
+                with self.cond:
+                    self.error = self.error or exc
+            finally:
+                if helper:
+                    with self.cond:
+                        self.busy -= 1
+                        self.cond.notify_all()
+
+    def finish(self) -> None:
+        """Called by the caller once it found no piece left: wait for pieces a helper holds."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.busy == 0)
+        if self.error is not None:
+            raise self.error
+
+
+class _RowCopier:
+    """Runs a CPU copy's pieces on the calling thread and, while it is free, one helper thread.
+
+    The caller never waits for the helper to start: on a machine whose other cores are
+    busy (another process, the inference engine's OpenMP threads) the caller does every
+    piece itself, where a parallel region of torch's would wait for a core at its barrier
+    (measured here: a gather of 64 rows took 8 ms with two OpenMP threads, 8 us with one).
+    When a core is free, the helper takes half the pieces. numpy releases the GIL while
+    it copies.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def _serve(self) -> None:
+        while True:
+            self._jobs.get().work(helper=True)
+
+    def run(self, count: int, piece: Callable[[int], None]) -> None:
+        job = _Job(count, piece)
+        if count > 1 and USE_HELPER and threading.current_thread() is threading.main_thread():
+            # Only for the main thread: a copy on a side thread (layerwise) already
+            # overlaps the model's compute, and a helper would take a core from it.
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._serve, name="flowkv-copy", daemon=True)
+                    self._thread.start()
+            self._jobs.put(job)
+        job.work(helper=False)
+        job.finish()
+
+
+_copier = _RowCopier()
+
+
+def _copy_rows_numpy(cache_rows: torch.Tensor, index: torch.Tensor, chunk_rows: torch.Tensor, *,
+                     to_chunk: bool) -> None:
+    """Rows ``index`` of ``cache_rows`` to/from consecutive rows of ``chunk_rows``, with numpy
+    (CPU tensors of one integer type): one memcpy per row, in pieces (see `_RowCopier`)."""
+    cache, rows, chunk = cache_rows.numpy(), index.numpy(), chunk_rows.numpy()
+    if rows.size and (rows.min() < 0 or rows.max() >= cache.shape[0]):  # "clip" below must never clip
+        raise IndexError(f"row index out of range [0, {cache.shape[0]}): a kernel planning bug")
+    per_piece = max(1, PIECE_BYTES // max(1, chunk.shape[1] * chunk.itemsize))
+    count = -(-rows.size // per_piece)
+
+    def piece(i: int) -> None:
+        part = slice(i * per_piece, (i + 1) * per_piece)
+        if to_chunk:
+            np.take(cache, rows[part], axis=0, out=chunk[part], mode="clip")  # "raise" would buffer the output
+        else:
+            cache[rows[part]] = chunk[part]
+
+    _copier.run(count, piece)
 
 
 def _gather_by_indexing(group: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
@@ -135,13 +318,23 @@ def _scatter_by_indexing(chunk: torch.Tensor, group: torch.Tensor, slots: torch.
     group[:, :, slots // block_size, slots % block_size] = chunk
 
 
+def _physical(chunk: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor]:
+    """The chunk's order and its buffer in that order (contiguous)."""
+    order = dense_order(chunk)
+    if order is None:
+        raise ValueError(f"chunk of strides {chunk.stride()} is not dense (a permutation of a contiguous buffer)")
+    return order, chunk.permute(order)
+
+
 def _move_dense(groups: list[LayerGroup], slots: torch.Tensor, chunk: torch.Tensor, *, to_chunk: bool) -> None:
-    """Copy between every group and a contiguous ``chunk``, with no skipped slots:
+    """Copy between every group and a dense ``chunk``, with no skipped slots:
     into ``chunk`` (gather) when ``to_chunk``, else into the cache (scatter)."""
     block_ids = whole_block_ids(slots, groups[0][1].shape[3])
     for first, group in groups:
         part = chunk[first : first + group.shape[0]]
-        plan = _row_plan(group, slots, block_ids)
+        order, physical = _physical(part)
+        plan = _row_plan(group, part, order, slots, block_ids)
+        note_row_bytes((group.shape[-1] if plan is None else plan[2]) * group.element_size())
         if plan is None:
             if to_chunk:
                 _gather_by_indexing(group, slots, part)
@@ -149,15 +342,28 @@ def _move_dense(groups: list[LayerGroup], slots: torch.Tensor, chunk: torch.Tens
                 _scatter_by_indexing(part, group, slots)
             continue
         rows, index, row = plan
-        cache_rows, chunk_rows = _as_wide(rows, part, row)
-        if to_chunk:
+        bits = _widest_int(row * part.element_size(), part)
+        cache_rows, chunk_rows = rows.view(bits), physical.reshape(-1, row).view(bits)
+        numpy = cache_rows.device.type == "cpu" and row * part.element_size() >= NUMPY_MIN_ROW_BYTES
+        if numpy and (NUMPY_GATHER or not to_chunk):
+            _copy_rows_numpy(cache_rows, index, chunk_rows, to_chunk=to_chunk)
+        elif to_chunk:
             torch.index_select(cache_rows, 0, index, out=chunk_rows)
         else:
             cache_rows.index_copy_(0, index, chunk_rows)
 
 
+def _empty_in_order(like: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """A chunk buffer like ``like`` (dense) with ``num_tokens`` tokens, laid out in its order."""
+    order = dense_order(like)
+    shape = list(like.shape)
+    shape[2] = num_tokens
+    buffer = like.new_empty([shape[d] for d in order])
+    return buffer.permute(tuple(order.index(d) for d in range(like.dim())))
+
+
 def gather_groups(groups: list[LayerGroup], slots: torch.Tensor, out: torch.Tensor) -> None:
-    """Copy the tokens at ``slots`` of every group into ``out`` (contiguous,
+    """Copy the tokens at ``slots`` of every group into ``out`` (dense, logically
     ``(layers, kv, tokens, heads, head_size)``); slot -1 leaves its row of ``out`` as is."""
     skipped = slots < 0
     if not bool(skipped.any()):
@@ -166,13 +372,13 @@ def gather_groups(groups: list[LayerGroup], slots: torch.Tensor, out: torch.Tens
     kept = torch.nonzero(~skipped).squeeze(1)
     if kept.numel() == 0:
         return
-    dense = out.new_empty(out.shape[:2] + (kept.numel(),) + out.shape[3:])
+    dense = _empty_in_order(out, kept.numel())
     _move_dense(groups, slots[kept], dense, to_chunk=True)
     out.index_copy_(2, kept, dense)
 
 
 def scatter_groups(chunk: torch.Tensor, groups: list[LayerGroup], slots: torch.Tensor) -> None:
-    """Write ``chunk`` (contiguous) into the cache at ``slots``; slot -1 writes nothing."""
+    """Write ``chunk`` (dense) into the cache at ``slots``; slot -1 writes nothing."""
     skipped = slots < 0
     if not bool(skipped.any()):
         _move_dense(groups, slots, chunk, to_chunk=False)
@@ -180,4 +386,6 @@ def scatter_groups(chunk: torch.Tensor, groups: list[LayerGroup], slots: torch.T
     kept = torch.nonzero(~skipped).squeeze(1)
     if kept.numel() == 0:
         return
-    _move_dense(groups, slots[kept], chunk.index_select(2, kept), to_chunk=False)
+    dense = _empty_in_order(chunk, kept.numel())
+    dense.copy_(chunk.index_select(2, kept))
+    _move_dense(groups, slots[kept], dense, to_chunk=False)

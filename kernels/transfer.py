@@ -9,12 +9,15 @@ it imports, everything else uses torch.
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from . import torch_kv
-from .geometry import KVGeometry, as_layer_list, canonical_view
+from .geometry import KVGeometry, as_layer_list, canonical_view, dense_order
 
 __all__ = ["gather", "scatter", "triton_available"]
 
@@ -81,6 +84,27 @@ def _layer_groups(layers: list[torch.Tensor], geometry: KVGeometry) -> list[torc
     return groups
 
 
+# Layer groups of recent caches: an engine passes the same tensors on every call. Keyed by
+# the tensors' ids and checked through weak references, so a cache that is dropped is
+# neither kept alive nor mistaken for a new one at the same address.
+_GROUPS: dict[tuple[Any, ...], tuple[list[weakref.ref], list[torch_kv.LayerGroup]]] = {}
+_GROUPS_KEPT = 16
+_GROUPS_LOCK = threading.Lock()
+
+
+def _cached_layer_groups(layers: list[torch.Tensor], geometry: KVGeometry) -> list[torch_kv.LayerGroup]:
+    key = (geometry, tuple(map(id, layers)))
+    hit = _GROUPS.get(key)
+    if hit is not None and all(ref() is layer for ref, layer in zip(hit[0], layers)):
+        return hit[1]
+    groups = _layer_groups(layers, geometry)
+    with _GROUPS_LOCK:
+        if len(_GROUPS) >= _GROUPS_KEPT:
+            _GROUPS.pop(next(iter(_GROUPS)))
+        _GROUPS[key] = ([weakref.ref(layer) for layer in layers], groups)
+    return groups
+
+
 def _prepare(
     kv_caches: KVCaches,
     geometry: KVGeometry,
@@ -104,7 +128,7 @@ def _prepare(
     if slot_mapping.dtype.is_floating_point or slot_mapping.dtype == torch.bool:
         raise ValueError(f"slot_mapping must hold integers, got {slot_mapping.dtype}")
     device = cache_layers[0].device
-    expected = (len(layer_ids),) + geometry.chunk_shape(slot_mapping.numel())[1:]
+    expected = (len(layer_ids), geometry.kv, slot_mapping.numel(), geometry.num_kv_heads, geometry.head_size)
     if tuple(chunk.shape) != expected:
         raise ValueError(f"{chunk_name} has shape {tuple(chunk.shape)}, expected {expected}")
     # A chunk buffer on the CPU (the engine's arena) with a cache on a GPU moves
@@ -113,10 +137,16 @@ def _prepare(
         raise ValueError(
             f"{chunk_name} is {chunk.dtype} on {chunk.device}; the cache is {geometry.dtype} on {device}"
         )
-    if not chunk.is_contiguous():
-        raise ValueError(f"{chunk_name} must be contiguous")
+    order = dense_order(chunk)
+    # Layers outermost: a layer group's slice of the chunk is then dense too. The head
+    # dim innermost: every row the kernels copy is made of whole heads.
+    sized = [d for d in order or () if chunk.shape[d] > 1]
+    if order is None or (chunk.shape[0] > 1 and sized[0] != 0) or (chunk.shape[4] > 1 and sized[-1] != 4):
+        raise ValueError(f"{chunk_name} must be a contiguous buffer in some order of its dims, layers "
+                         f"outermost and head_size innermost (got shape {tuple(chunk.shape)}, "
+                         f"strides {chunk.stride()})")
 
-    groups = _layer_groups([cache_layers[i] for i in layer_ids], geometry)
+    groups = _cached_layer_groups([cache_layers[i] for i in layer_ids], geometry)
     num_blocks = groups[0][1].shape[2]
     if any(group.shape[2] != num_blocks for _, group in groups):
         raise ValueError(f"KV layers hold different numbers of blocks: {[group.shape[2] for _, group in groups]}")
@@ -144,9 +174,12 @@ def gather(
 ) -> torch.Tensor:
     """Copy the tokens at ``slot_mapping`` out of the paged cache into ``out``.
 
-    ``out`` is a contiguous tensor of ``geometry.chunk_shape(len(slot_mapping))``,
-    or with ``len(layers)`` in dim 0 when only ``layers`` (indices into
-    ``kv_caches``) are gathered. A slot of -1 leaves that token's row of
+    ``out`` has the logical shape ``geometry.chunk_shape(len(slot_mapping))``
+    (or ``len(layers)`` in dim 0 when only ``layers``, indices into
+    ``kv_caches``, are gathered) and is a contiguous buffer in some order of
+    its dims, layers outermost and head_size innermost; in
+    ``geometry.chunk_order`` the copies are longest (``geometry.empty_chunk``
+    makes one). A slot of -1 leaves that token's row of
     ``out`` untouched. ``out`` may be on the CPU while the cache is on a GPU
     (the tokens then pass through a buffer on the GPU). Returns ``out``.
 
@@ -154,7 +187,7 @@ def gather(
     >>> g = KVGeometry("cpu", 2, 2, 64, 32, torch.float32)
     >>> caches = make_paged_kv(g, num_blocks=8, seed=0)
     >>> slots = random_slot_mapping(40, g, 8, seed=1)
-    >>> gather(caches, g, slots, torch.empty(g.chunk_shape(40))).shape
+    >>> gather(caches, g, slots, g.empty_chunk(40)).shape
     torch.Size([2, 2, 40, 2, 64])
     """
     groups, slots = _prepare(kv_caches, geometry, slot_mapping, out, layers, "out")

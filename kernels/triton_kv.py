@@ -2,7 +2,9 @@
 ``TRITON_INTERPRET=1``, which the tests use).
 
 One program moves one token of one (layer, kv) pair: all its heads, read or
-written through the cache's strides, so one kernel serves every layout. The
+written through the cache's strides and the chunk buffer's (any order of its
+dims: ``KVGeometry.chunk_order`` or a contiguous one), so one kernel serves
+every layout and chunk format. The
 grid is ``(num_tokens, layers_in_group * kv)``; a slot of -1 masks the whole
 program's loads and stores. Values are moved as same-width integers, a bitwise
 copy that works for every float type including fp8.
@@ -14,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .probe import note_row_bytes
+
 __all__ = ["gather_groups", "scatter_groups"]
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -24,7 +28,6 @@ def _paged_to_chunk(
     cache_ptr,
     chunk_ptr,
     slot_ptr,
-    num_tokens,
     num_heads,
     head_size,
     block_size,
@@ -33,6 +36,10 @@ def _paged_to_chunk(
     stride_block,
     stride_offset,
     stride_head,
+    chunk_layer,
+    chunk_kv,
+    chunk_token,
+    chunk_head,
     KV: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
@@ -61,8 +68,8 @@ def _paged_to_chunk(
         + heads * stride_head
         + dims
     )
-    # Chunk layout: (layer, kv, token, head, dim), contiguous.
-    chunk_at = chunk_ptr + ((layer_kv * num_tokens + token) * num_heads + heads) * head_size + dims
+    # The chunk's logical (layer, kv, token, head, dim) through its strides; dim is stride 1.
+    chunk_at = chunk_ptr + layer * chunk_layer + kv * chunk_kv + token * chunk_token + heads * chunk_head + dims
     if TO_CHUNK:
         tl.store(chunk_at, tl.load(cache_at, mask=mask), mask=mask)
     else:
@@ -73,14 +80,17 @@ def _launch(group: torch.Tensor, chunk: torch.Tensor, slots: torch.Tensor, to_ch
     num_layers, kv, _, block_size, heads, head_size = group.shape
     if group.stride(5) != 1 and head_size > 1:
         raise ValueError(f"the Triton kernels need a contiguous head dim; cache strides are {group.stride()}")
+    note_row_bytes(head_size * group.element_size())
     bits = _BITS[group.element_size()]
     s_layer, s_kv, s_block, s_offset, s_head, _ = group.stride()
+    c_layer, c_kv, c_token, c_head, c_dim = chunk.stride()
+    if c_dim != 1 and head_size > 1:
+        raise ValueError(f"the Triton kernels need the chunk's head dim innermost; its strides are {chunk.stride()}")
     grid = (slots.numel(), num_layers * kv)
     _paged_to_chunk[grid](
         group.view(bits),
         chunk.view(bits),
         slots,
-        slots.numel(),
         heads,
         head_size,
         block_size,
@@ -89,6 +99,10 @@ def _launch(group: torch.Tensor, chunk: torch.Tensor, slots: torch.Tensor, to_ch
         s_block,
         s_offset,
         s_head,
+        c_layer,
+        c_kv,
+        c_token,
+        c_head,
         KV=kv,
         BLOCK_HEADS=triton.next_power_of_2(heads),
         BLOCK_DIM=triton.next_power_of_2(head_size),
@@ -97,12 +111,12 @@ def _launch(group: torch.Tensor, chunk: torch.Tensor, slots: torch.Tensor, to_ch
 
 
 def gather_groups(groups: list[tuple[int, torch.Tensor]], slots: torch.Tensor, out: torch.Tensor) -> None:
-    """Copy the tokens at ``slots`` of every layer group into ``out`` (contiguous)."""
+    """Copy the tokens at ``slots`` of every layer group into ``out`` (dense, any order)."""
     for first, group in groups:
         _launch(group, out[first : first + group.shape[0]], slots, to_chunk=True)
 
 
 def scatter_groups(chunk: torch.Tensor, groups: list[tuple[int, torch.Tensor]], slots: torch.Tensor) -> None:
-    """Write ``chunk`` (contiguous) into every layer group at ``slots``; -1 writes nothing."""
+    """Write ``chunk`` (dense, any order) into every layer group at ``slots``; -1 writes nothing."""
     for first, group in groups:
         _launch(group, chunk[first : first + group.shape[0]], slots, to_chunk=False)

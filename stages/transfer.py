@@ -23,14 +23,16 @@ def gather(chunks: Iterator[Chunk], *, ctx: RunContext, impl: str | None = None)
     geometry = ctx.services.geometry
     staging = ctx.services.storage.staging
     layers = None if ctx.layer is None else [ctx.layer]
+    probe = kernels.TransferProbe()  # page faults, CPU time, row length: why a transfer ran slow
     for chunk in chunks:
         request = chunk.request
         out = chunk.obj.tensor if layers is None else chunk.obj.tensor[ctx.layer : ctx.layer + 1]
-        kernels.gather(request.kv_caches, geometry, request.slot_mapping[chunk.start:chunk.end],
-                       out, layers=layers, impl=impl)
+        with probe:
+            kernels.gather(request.kv_caches, geometry, request.slot_mapping[chunk.start:chunk.end],
+                           out, layers=layers, impl=impl)
         chunk.kv = chunk.obj.tensor
         chunk.layers_done += 1 if layers else geometry.num_layers
-        ctx.record(bytes=out.nbytes, tier=staging)
+        ctx.record(bytes=out.nbytes, tier=staging, **probe.attributes())
         yield chunk
 
 
@@ -45,6 +47,7 @@ def scatter(chunks: Iterator[Chunk], *, ctx: RunContext, impl: str | None = None
     """
     geometry = ctx.services.geometry
     layers = None if ctx.layer is None else [ctx.layer]
+    probe = kernels.TransferProbe()
     for chunk in chunks:
         if chunk.skip:
             continue
@@ -54,12 +57,13 @@ def scatter(chunks: Iterator[Chunk], *, ctx: RunContext, impl: str | None = None
             )
         request = chunk.request
         kv = chunk.kv if layers is None else chunk.kv[ctx.layer : ctx.layer + 1]
-        kernels.scatter(kv, request.kv_caches, geometry,
-                        request.slot_mapping[chunk.start:chunk.end], layers=layers, impl=impl)
+        with probe:
+            kernels.scatter(kv, request.kv_caches, geometry,
+                            request.slot_mapping[chunk.start:chunk.end], layers=layers, impl=impl)
         if layers is None:
             chunk.layers_done = geometry.num_layers
             request.ret_mask[chunk.start:chunk.end] = True
         else:  # the layerwise run marks ret_mask once every layer of the chunk is in
             chunk.layers_done += 1
-        ctx.record(bytes=kv.nbytes, hit_tokens=chunk.num_tokens, tier=chunk.tier)
+        ctx.record(bytes=kv.nbytes, hit_tokens=chunk.num_tokens, tier=chunk.tier, **probe.attributes())
         yield chunk

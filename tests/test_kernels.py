@@ -338,3 +338,162 @@ def test_bench_reports_throughput_against_copy():
     assert result["bytes"] == 2 * 2 * 256 * 2 * 64 * 2
     assert result["gather_gbps"] > 0 and result["copy_gbps"] > 0
     assert result["gather_vs_copy"] == pytest.approx(result["gather_gbps"] / result["copy_gbps"])
+
+
+# -- the chunk format: the cache's own rows ------------------------------------------
+
+# Bytes one copy moves when whole blocks go into a chunk in the geometry's format
+# (geometry_for: 4 heads x head size 32, block 16), per layout.
+WHOLE_BLOCK_ROW = {
+    "cpu": 16 * 2 * 32,  # one head's block, keys and values
+    "flash_kv_hnd": 16 * 32,  # one head's block
+    "flash_blocks_hnd": 16 * 32,
+    "flash_kv_nhd": 16 * 4 * 32,  # one block, every head
+    "flash_blocks_nhd": 16 * 4 * 32,
+    "mla": 16 * 32,
+}
+
+
+def scatter_like_reference(chunk, g, slots):
+    """Scatter ``chunk`` into zeroed caches with the kernel and with the reference; assert
+    they agree, and return the reference's caches."""
+    got, want = (make_paged_kv(g, NUM_BLOCKS, seed=0, fill=False) for _ in range(2))
+    scatter(chunk, got, g, slots)
+    reference_scatter(chunk, want, g, slots)
+    assert_caches_equal(got, want)
+    return want
+
+
+def rows_moved(caches, g, slots, chunk, *, scatter_too=True):
+    """The shortest row (in elements) gather and scatter copied, as the probe reports it."""
+    from flowkv.kernels import TransferProbe
+
+    probe = TransferProbe()
+    with probe:
+        gather(caches, g, slots, chunk)
+    if scatter_too:
+        with probe:
+            scatter(chunk, [torch.zeros_like(t) for t in caches], g, slots)
+    return probe.row_bytes // g.dtype.itemsize
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("span", [(0, 64), (0, 50), (5, 45), (16, 17)],
+                         ids=["whole-blocks", "partial-last-block", "mid-block-start", "one-token"])
+def test_chunk_format_round_trips_bitwise(layout, dtype, span):
+    """Chunks in the geometry's own format: whole blocks, a partial last block, a chunk that
+    starts inside a block (chunk sizes that are not block multiples), a single token."""
+    g = geometry_for(layout, dtype)
+    source = make_paged_kv(g, NUM_BLOCKS, seed=1)
+    slots = random_slot_mapping(64, g, NUM_BLOCKS, seed=2)[span[0]:span[1]]
+    chunk = gather(source, g, slots, g.empty_chunk(len(slots)))
+    assert tuple(chunk.shape) == g.chunk_shape(len(slots))
+    assert torch.equal(chunk, reference_gather(source, g, slots))
+    expected = scatter_like_reference(chunk, g, slots)
+    # A contiguous chunk (another order) scatters the same bytes.
+    again = make_paged_kv(g, NUM_BLOCKS, seed=0, fill=False)
+    scatter(chunk.contiguous(), again, g, slots)
+    assert_caches_equal(again, expected)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_chunk_format_copies_the_caches_whole_block_rows(layout):
+    g = geometry_for(layout)
+    source = make_paged_kv(g, NUM_BLOCKS, seed=1)
+    whole = random_slot_mapping(64, g, NUM_BLOCKS, seed=2)
+    assert rows_moved(source, g, whole, g.empty_chunk(64)) == WHOLE_BLOCK_ROW[layout]
+    # Not whole blocks: rows end at one token, all heads where the cache keeps them
+    # together, keys and values of one head on the CPU layout.
+    per_token = {"cpu": 2 * 32, "flash_kv_hnd": 32, "flash_blocks_hnd": 32, "mla": 32}.get(layout, 4 * 32)
+    assert rows_moved(source, g, whole[5:45], g.empty_chunk(40)) == per_token
+
+
+def test_logical_chunk_on_the_cpu_layout_moves_head_rows():
+    """The old format (contiguous (layers, kv, tokens, heads, dim)) still works, in rows of one head."""
+    g = geometry_for("cpu")
+    source = make_paged_kv(g, NUM_BLOCKS, seed=1)
+    slots = random_slot_mapping(64, g, NUM_BLOCKS, seed=2)
+    chunk = torch.empty(tuple(g.chunk_shape(64)), dtype=g.dtype)
+    assert rows_moved(source, g, slots, chunk) == g.head_size
+    assert torch.equal(chunk, reference_gather(source, g, slots))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_chunk_format_with_skipped_slots_and_layer_subsets(layout):
+    g = geometry_for(layout)
+    source = make_paged_kv(g, NUM_BLOCKS, seed=3)
+    whole = random_slot_mapping(48, g, NUM_BLOCKS, seed=4)
+    slots = torch.where(torch.isin(torch.arange(48), torch.tensor([0, 17, 47])), -1, whole)
+    chunk = g.empty_chunk(48)
+    chunk.fill_(5.0)
+    gather(source, g, slots, chunk)
+    expected = reference_gather(source, g, slots)
+    kept = slots >= 0
+    assert torch.equal(chunk[:, :, kept], expected[:, :, kept])
+    assert bool((chunk[:, :, ~kept] == 5.0).all())
+    scatter_like_reference(chunk, g, slots)
+    # One layer at a time, as layerwise runs do, into the layer's slice of the chunk.
+    per_layer = g.empty_chunk(48)
+    for layer in range(g.num_layers):
+        gather(source, g, whole, per_layer[layer:layer + 1], layers=[layer])
+    assert torch.equal(per_layer, reference_gather(source, g, whole))
+
+
+def test_chunk_shape_carries_the_format_and_the_arena_lays_it_out():
+    from flowkv.kernels import ChunkShape
+    from flowkv.memory import MemoryArena
+
+    g = geometry_for("cpu")
+    shape = g.chunk_shape(32)
+    assert isinstance(shape, ChunkShape) and shape == (3, 2, 32, 4, 32)
+    assert shape.dim_order == g.chunk_order == (0, 3, 2, 1, 4) and shape.physical == (3, 4, 32, 2, 32)
+    arena = MemoryArena(1 << 20, slab_bytes=1 << 18, prefault="off")
+    obj = arena.allocate(shape, g.dtype)
+    assert obj.tensor.shape == shape and obj.tensor.stride() == g.empty_chunk(32).stride()
+    # view_bytes is the object's pages in their physical order, whatever the view.
+    obj.tensor.copy_(torch.randn(shape).to(g.dtype))
+    physical = obj.tensor.permute(shape.dim_order)
+    assert bytes(obj.view_bytes()) == physical.contiguous().view(torch.uint8).numpy().tobytes()
+    obj.view_bytes()[:2] = b"\x00\x00"
+    assert physical.reshape(-1)[0].item() == 0
+    assert arena.allocate(tuple(shape), g.dtype).tensor.is_contiguous()  # a plain tuple: logical order
+
+
+def test_fingerprint_names_the_chunk_format():
+    orders = {layout: geometry_for(layout).fingerprint().rsplit("-", 1)[1] for layout in LAYOUTS}
+    assert orders == {"cpu": "lhtkd", "flash_kv_hnd": "lkhtd", "flash_blocks_hnd": "lkhtd",
+                      "flash_kv_nhd": "bf16", "flash_blocks_nhd": "bf16", "mla": "bf16"}
+    # Chunk format 1 of the CPU layout (logical order) keyed 'cpu-l3-h4-d32-b16-bf16':
+    # its chunks can never be found under format 2's keys.
+    assert geometry_for("cpu").fingerprint() != "cpu-l3-h4-d32-b16-bf16"
+
+
+def test_transfer_probe_counts_first_touch_faults():
+    from flowkv.kernels import TransferProbe
+    from flowkv.resident import ResidentBuffer
+
+    fresh = ResidentBuffer.anonymous(4 << 20, prefault="off", huge_pages=False)
+    probe = TransferProbe()
+    with probe:
+        fresh.tensor[::4096].fill_(1)
+    assert probe.faults >= 1 and probe.cpu_ns >= 0 and probe.preempted >= 0
+    assert "row_bytes" not in probe.attributes()
+
+
+@pytest.mark.parametrize("helper", [True, False], ids=["with-helper", "caller-only"])
+def test_cpu_row_copy_in_pieces_is_bitwise(monkeypatch, helper):
+    """Long rows on a CPU are copied by numpy in pieces, which a helper thread may share."""
+    from flowkv.kernels import torch_kv
+
+    monkeypatch.setattr(torch_kv, "PIECE_BYTES", 4096)  # many pieces of two rows
+    monkeypatch.setattr(torch_kv, "USE_HELPER", helper)
+    monkeypatch.setattr(torch_kv, "NUMPY_GATHER", True)
+    g = geometry_for("cpu", torch.float32)  # rows of a head's block: 16 x 64 x 4 B = 4 KiB
+    source = make_paged_kv(g, NUM_BLOCKS, seed=5)
+    slots = random_slot_mapping(64, g, NUM_BLOCKS, seed=6)
+    assert rows_moved(source, g, slots, g.empty_chunk(64), scatter_too=False) * 4 >= torch_kv.NUMPY_MIN_ROW_BYTES
+    for _ in range(3):
+        chunk = gather(source, g, slots, g.empty_chunk(64))
+        assert torch.equal(chunk, reference_gather(source, g, slots))
+        scatter_like_reference(chunk, g, slots)

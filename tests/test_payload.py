@@ -36,7 +36,7 @@ def resign(blob: bytes, **fields) -> bytes:
     rest = bytearray(blob[prefix.size : header_length - 8])
     body = blob[header_length:]
     if "params" in fields:
-        params_at = 8 * values[4]
+        params_at = 8 * values[4] + (values[4] if values[1] >= 2 else 0)  # shape, then (v2) the dim order
         params = json.dumps(fields.pop("params")).encode()
         rest = rest[:params_at] + params
         values[5] = len(params)
@@ -188,8 +188,8 @@ def test_rejects_wrong_magic_and_foreign_data():
 
 def test_rejects_unknown_version_even_with_valid_checksum():
     blob = encode(make_kv(), "none")
-    with pytest.raises(PayloadError, match="unsupported payload format version 2 \\(this flowkv reads 1\\)"):
-        decode(resign(blob, version=2))
+    with pytest.raises(PayloadError, match="unsupported payload format version 3 \\(this flowkv reads 1 and 2\\)"):
+        decode(resign(blob, version=3))
 
 
 def test_rejects_unknown_codec_and_dtype_with_valid_checksum():
@@ -230,8 +230,8 @@ def test_header_is_frozen_and_compact():
     assert isinstance(header, PayloadHeader)
     with pytest.raises(AttributeError):
         header.codec = "lz4"
-    # 32-byte prefix + 5 dims + "{}" params + 8-byte checksum.
-    assert header.header_length == 32 + 5 * 8 + 2 + 8
+    # 32-byte prefix + 5 dims + their order (version 2) + "{}" params + 8-byte checksum.
+    assert header.header_length == 32 + 5 * 8 + 5 + 2 + 8
 
 
 def test_encode_rejects_bad_requests():
@@ -252,3 +252,82 @@ def test_scalar_and_zero_sized_tensors_roundtrip():
         for codec in ("none", "lz4", "zstd-shuffle"):
             decoded = decode(encode(tensor, codec), expect_shape=tensor.shape)
             assert torch.equal(decoded, tensor)
+
+
+# -- version 2: the body's dim order -------------------------------------------------
+
+def chunk_in_engine_format(layout="cpu", dtype=torch.bfloat16, seed=3):
+    """A chunk tensor laid out as the engine's arena lays it out (a strided logical view)."""
+    from flowkv.kernels import KVGeometry
+
+    g = KVGeometry(layout, 3, 2, 16, 16, dtype)
+    chunk = g.empty_chunk(17)
+    chunk.copy_(make_kv(tuple(g.chunk_shape(17)), dtype, seed))
+    return g, chunk
+
+
+def as_version_1(blob: bytes) -> bytes:
+    """The same payload as a flowkv before chunk format 2 wrote it (no order field);
+    only for payloads whose order is the identity."""
+    prefix = struct.Struct("<4sHHBBHIQQ")
+    values = list(prefix.unpack_from(blob))
+    ndim, header_length = values[4], values[6]
+    order_at = prefix.size + 8 * ndim
+    assert tuple(blob[order_at:order_at + ndim]) == tuple(range(ndim))
+    rest = blob[prefix.size:order_at] + blob[order_at + ndim:header_length - 8]
+    values[1], values[6] = 1, header_length - ndim
+    head = prefix.pack(*values) + rest
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + blob[header_length:]
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash_kv_hnd"])
+@pytest.mark.parametrize("codec", codec_names())
+def test_chunk_in_engine_format_round_trips_every_codec(codec, layout):
+    g, chunk = chunk_in_engine_format(layout)
+    assert not chunk.is_contiguous()
+    blob = encode(chunk, codec)
+    header = read_header(blob)
+    impl = get_codec(codec)
+    # Lossless codecs take the buffer as it is; lossy ones see the chunk in its shape.
+    assert header.dim_order == (g.chunk_order if impl.lossless else (0, 1, 2, 3, 4))
+    assert header.shape == tuple(chunk.shape)
+    decoded = decode(blob, expect_shape=chunk.shape, expect_dtype=chunk.dtype)
+    same_format = g.empty_chunk(17)
+    decode_into(blob, same_format)
+    other_format = torch.empty(tuple(chunk.shape), dtype=chunk.dtype)
+    decode_into(blob, other_format)
+    assert torch.equal(decoded, same_format) and torch.equal(decoded, other_format)
+    if impl.lossless:
+        assert torch.equal(decoded, chunk)
+        if layout == "cpu" and codec == "none":  # the body is the buffer's bytes, unpermuted
+            physical = chunk.permute(g.chunk_order).contiguous()
+            assert blob[header.header_length:] == physical.view(torch.uint8).numpy().tobytes()
+    else:
+        error = (decoded.double() - chunk.double()).abs()
+        assert bool((error <= impl.max_error(chunk, impl.resolve_params())).all())
+
+
+def test_version_1_payloads_still_decode_in_any_format():
+    """A payload written before chunk format 2 (logical order, no order field) reads right into a
+    chunk of the new format: the payload says its order, so it is never read as another."""
+    kv = make_kv((3, 2, 17, 2, 16), torch.bfloat16)
+    old = as_version_1(encode(kv, "zstd", level=3))
+    header = read_header(old)
+    assert (header.version, header.dim_order) == (1, (0, 1, 2, 3, 4))
+    assert torch.equal(decode(old), kv)
+    from flowkv.kernels import KVGeometry
+
+    g = KVGeometry("cpu", 3, 2, 16, 16, torch.bfloat16)
+    into = g.empty_chunk(17)
+    decode_into(old, into)
+    assert torch.equal(into, kv)
+
+
+def test_rejects_a_dim_order_that_is_not_a_permutation():
+    blob = bytearray(encode(chunk_in_engine_format()[1], "none"))
+    order_at = 32 + 8 * 5
+    blob[order_at:order_at + 5] = bytes([0, 0, 2, 1, 4])
+    head_end = read_header(bytes(encode(make_kv(), "none"))).header_length  # same header length
+    struct.pack_into("<Q", blob, head_end - 8, xxhash.xxh3_64_intdigest(bytes(blob[:head_end - 8])))
+    with pytest.raises(PayloadError, match="dim order .* is not a permutation"):
+        read_header(bytes(blob))

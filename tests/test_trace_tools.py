@@ -352,3 +352,129 @@ def test_real_runner_trace_file_summarizes(tmp_path):
     document = json.loads(timeline(spans, tmp_path / "t.json").read_text())
     lanes = {e["args"]["name"] for e in document["traceEvents"] if e["name"] == "thread_name"}
     assert "store/gather · layer 2" in lanes and "flowkv.store · layer 0" in lanes
+
+
+# -- bytes per second against the machine's copy bandwidth -------------------------
+
+FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "traces"
+
+
+def test_recorded_fresh_arena_trace_names_first_touch_faults():
+    """tests/fixtures/traces/fresh-arena-stores.json: four stores of 2,816 tokens (vLLM CPU layout,
+    4 layers x 4 KV heads x 64, bf16, block 128) into an arena that was not pre-faulted, then
+    four retrieves of them, recorded by the engine with the file exporter."""
+    summary = summarize(load_spans(FIXTURES / "fresh-arena-stores.json"))
+    assert summary.copy_gbps is not None and summary.copy_gbps_source == "trace"
+    stages = {f"{s.kind}/{s.stage}": s for s in summary.stages}
+    gather, scatter = stages["store/gather"], stages["retrieve/scatter"]
+    assert gather.transfer and scatter.transfer and not stages["store/put"].transfer
+    assert gather.gbps == gather.total_bytes / gather.own_ns
+    assert gather.faults * 4096 >= gather.total_bytes  # every page of the fresh arena faulted once
+    assert scatter.faults * 4096 < 0.25 * scatter.total_bytes  # the cache's pages were written before
+    slow_gather = [a for a in summary.suggestions if a.startswith("Transfer stage store/gather")]
+    assert len(slow_gather) == 1 and "first-touch page faults" in slow_gather[0]
+    assert "prefault" in slow_gather[0]
+    assert not any("retrieve/scatter" in a and "first-touch" in a for a in summary.suggestions)
+    text = format_summary(summary)
+    header = next(line for line in text.splitlines() if line.startswith("stage"))
+    assert "GB/s" in header and "x copy" in header
+    row = next(line for line in text.splitlines() if line.startswith("store/gather"))
+    assert f"{gather.gbps:.2f}" in row and f"{gather.gbps / summary.copy_gbps:.2f}" in row
+    assert "recorded in the trace" in text
+
+
+def transfer_span(span_id, *, own_ms, nbytes, faults=0, cpu_ms=None, preempted=0, row_bytes=None, stage="gather"):
+    attributes = {"flowkv.stage": stage, "flowkv.kind": "store" if stage == "gather" else "retrieve",
+                  "flowkv.own_time_ns": int(own_ms * MS), "flowkv.bytes": nbytes, "flowkv.items_out": 1,
+                  "flowkv.faults": faults, "flowkv.cpu_ns": int((own_ms if cpu_ms is None else cpu_ms) * MS),
+                  "flowkv.preempted": preempted}
+    if row_bytes is not None:
+        attributes["flowkv.row_bytes"] = row_bytes
+    return record(stage, 0, own_ms, span_id, **attributes)
+
+
+def slow_transfer_advice(spans, copy_gbps=10.0):
+    summary = summarize(spans, copy_gbps=copy_gbps)
+    return [a for a in summary.suggestions if a.startswith("Transfer stage")]
+
+
+def test_slow_transfer_causes_are_told_apart():
+    # 64 MiB in 20 ms = 3.4 GB/s against 10 GB/s: far below.
+    (contended,) = slow_transfer_advice([transfer_span(1, own_ms=20, nbytes=64 * MIB, cpu_ms=8, preempted=40,
+                                                       row_bytes=64 << 10)])
+    assert "thread contention" in contended and "40%" in contended and "40 preemptions" in contended
+    assert "first-touch" not in contended and "layout" not in contended
+
+    (short_rows,) = slow_transfer_advice([transfer_span(1, own_ms=20, nbytes=64 * MIB, row_bytes=256)])
+    assert "layout (its copies move rows of 256 B)" in short_rows
+    assert "contention" not in short_rows and "first-touch" not in short_rows
+
+    (faulted,) = slow_transfer_advice([transfer_span(1, own_ms=20, nbytes=64 * MIB, faults=16384, row_bytes=8192)])
+    assert "first-touch page faults (16384 faults" in faulted and "layout" not in faulted
+
+    (unknown,) = slow_transfer_advice([transfer_span(1, own_ms=20, nbytes=64 * MIB, row_bytes=8192)])
+    assert "none that the trace records" in unknown
+    assert "3.4 GB/s, 34% of this machine's copy bandwidth (10.0 GB/s)" in unknown
+
+    # 32 chunks of 1 MiB: 105 us each at 10 GB/s, so the fixed cost of each call weighs.
+    small = transfer_span(1, own_ms=10, nbytes=32 * MIB, row_bytes=8192)
+    small.attributes["flowkv.items_out"] = 32
+    (per_call,) = slow_transfer_advice([small])
+    assert "per-call cost (each chunk moves 1.0 MiB, 105 us at copy speed" in per_call
+    assert "`chunk_size`" in per_call and "none that" not in per_call
+
+
+def test_fast_transfers_and_traces_without_bandwidth_get_no_transfer_advice():
+    fast = transfer_span(1, own_ms=10, nbytes=64 * MIB, row_bytes=256)  # 6.7 GB/s: 67% of 10 GB/s
+    assert slow_transfer_advice([fast]) == []
+    summary = summarize([transfer_span(1, own_ms=20, nbytes=64 * MIB, row_bytes=256)])  # no copy_gbps anywhere
+    assert summary.copy_gbps is None and summary.copy_gbps_source == ""
+    assert not any(a.startswith("Transfer stage") for a in summary.suggestions)
+    assert summary.stages[0].gbps is not None  # bytes per second are shown all the same
+
+
+def test_cli_copy_bandwidth_given_measured_or_left_out(layerwise_file, capsys):
+    assert main(["trace", "summarize", str(layerwise_file), "--json", "--copy-gbps", "20"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["copy_gbps"], result["copy_gbps_source"]) == (20.0, "given")
+    scatter = next(s for s in result["stages"] if s["stage"] == "scatter")
+    assert scatter["transfer"] and scatter["gbps"] == 4 * MIB / (16 * MS)
+    assert any(a.startswith("Transfer stage retrieve/scatter") for a in result["suggestions"])
+
+    assert main(["trace", "summarize", str(layerwise_file), "--json", "--no-measure"]) == 0
+    assert json.loads(capsys.readouterr().out)["copy_gbps"] is None
+
+    assert main(["trace", "summarize", str(layerwise_file)]) == 0  # the trace has none: measured here
+    assert "measured now by summarize on this machine" in capsys.readouterr().out
+
+
+def test_engine_traces_carry_the_probe_and_the_copy_bandwidth(tmp_path):
+    import torch
+
+    from flowkv import CacheEngine, telemetry
+    from flowkv._testing.paged import make_paged_kv, random_slot_mapping
+    from flowkv.kernels import KVGeometry
+
+    g = KVGeometry("cpu", 2, 2, 64, 32, torch.bfloat16)
+    engine = CacheEngine.from_pipeline("local-cpu", geometry=g, model_name="tiny", overrides={
+        "chunk_size": 64, "tiers.memory.capacity": "4MiB", "tiers.memory.prefault": "off",
+        "telemetry.exporter": "file", "telemetry.folder": str(tmp_path)})
+    caches = make_paged_kv(g, 8, seed=0)
+    slots = random_slot_mapping(128, g, 8, seed=1)
+    tokens = torch.arange(128)
+    assert engine.store(tokens, kv_caches=caches, slot_mapping=slots) == 128
+    assert int(engine.retrieve(tokens, kv_caches=make_paged_kv(g, 8, seed=2, fill=False),
+                               slot_mapping=slots).sum()) == 128
+    telemetry.flush()
+    engine.close()
+    [path] = tmp_path.glob("flowkv-*.json")
+    spans = load_spans(path)
+    transfers = [s for s in spans if s.attributes.get("flowkv.stage") in ("gather", "scatter")]
+    assert {s.attributes["flowkv.stage"] for s in transfers} == {"gather", "scatter"}
+    for span in transfers:
+        assert all(isinstance(span.attributes[k], int) for k in
+                   ("flowkv.faults", "flowkv.cpu_ns", "flowkv.preempted", "flowkv.row_bytes"))
+        assert span.resource["flowkv.host.copy_gbps"] > 0
+    summary = summarize(spans)
+    assert summary.copy_gbps_source == "trace"
+    assert all(s.transfer == (s.stage in ("gather", "scatter")) for s in summary.stages)

@@ -79,3 +79,22 @@ def test_triton_odd_head_counts_are_masked():
     # Neither heads nor head size a power of two: the kernel's tiles overhang.
     g = KVGeometry("flash_kv_hnd", 1, 3, 24, 8, torch.float16)
     assert_same(run_both(g, random_slot_mapping(9, g, NUM_BLOCKS, seed=3)))
+
+
+@pytest.mark.parametrize(
+    "layout", ["cpu", "flash_kv_nhd", "flash_kv_hnd", "flash_blocks_nhd", "flash_blocks_hnd", "mla"]
+)
+def test_triton_reads_and_writes_chunks_in_the_geometry_format(layout):
+    """The chunk buffer in ``KVGeometry.chunk_order`` (strided logical view): Triton equals torch."""
+    g = KVGeometry(layout, 2, 1 if layout == "mla" else 2, 16, 8, torch.bfloat16)
+    slots = random_slot_mapping(16, g, NUM_BLOCKS, seed=4)
+    source = make_paged_kv(g, NUM_BLOCKS, seed=12)
+    chunks, caches = {}, {}
+    for impl in ("torch", "triton"):
+        chunk = g.empty_chunk(len(slots))
+        chunks[impl] = gather(source, g, slots, chunk, impl=impl)
+        assert chunks[impl].stride() == g.empty_chunk(len(slots)).stride()
+        caches[impl] = make_paged_kv(g, NUM_BLOCKS, seed=0, fill=False)
+        scatter(chunks[impl], caches[impl], g, slots, impl=impl)
+    assert_same({impl: (chunks[impl], caches[impl]) for impl in chunks})
+    assert torch.equal(chunks["torch"], gather(source, g, slots, torch.empty(tuple(g.chunk_shape(16)), dtype=g.dtype)))

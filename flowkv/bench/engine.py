@@ -1,12 +1,18 @@
 """``flowkv bench engine``: the cache engine's store and retrieve against plain copies.
 
 For a paged KV cache of 8 layers x 8 KV heads x head size 128, bf16, block
-size 16 (layout ``cpu``), and ``--tokens`` tokens (default 8,192, i.e.
-256 MiB of KV), it measures in one run:
+size ``--block-size`` (default 16) in layout ``--layout`` (default ``cpu``,
+vLLM's CPU backend; the ``flash_*`` layouts are the CUDA backends' layouts
+on the CPU reference kernels; ``mla`` has one 512-wide latent head), and
+``--tokens`` tokens (default 8,192, i.e. 256 MiB of KV), it measures in one run:
 
 - store and retrieve through the pipeline (ms, GB/s of KV bytes), each
   against a plain ``torch`` copy of the same number of bytes between two
   contiguous tensors — the ratio is the figure that matters;
+- a store into a fresh engine's arena, pre-faulted as the engine does at
+  start (``[tiers.memory] prefault``), and one into a fresh arena that is
+  not (every page faults on first touch), next to the steady-state store
+  into pages the arena used before;
 - the pipeline's own overhead: the same kernel calls in a hand-fused loop
   (hash, then per chunk allocate + gather into its memory object + the first
   compress stage's codec + memory-tier put; retrieve: memory get + decode +
@@ -19,16 +25,18 @@ size 16 (layout ``cpu``), and ``--tokens`` tokens (default 8,192, i.e.
 
 Every store goes into an emptied memory tier and hashes fresh tokens, so it
 measures a real store, not "already present". Times are the best of
-``--repeats``. Numbers depend on the machine's memory bandwidth and on how
+``--repeats`` (fresh-arena stores: best and median, one new engine each). Numbers depend on the machine's memory bandwidth and on how
 many cores torch may use (printed).
 
     flowkv bench engine
+    flowkv bench engine --layout flash_kv_hnd --block-size 128
     flowkv bench engine --tokens 4096 --pipeline local-cpu-lz4 --json
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -46,19 +54,29 @@ from flowkv.keys import chain_hashes
 __all__ = ["add_arguments", "run"]
 
 _LAYERS, _KV_HEADS, _HEAD_SIZE, _BLOCK_SIZE = 8, 8, 128, 16
+_MLA_HEAD_SIZE = 512
 _LOOKUP_TOKENS = 32 * 1024
+# Longest wait for a fresh arena's background pre-fault (it takes well under a second here).
+_PREFAULT_WAIT_S = 120.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's command-line options."""
     parser.add_argument("--tokens", type=int, default=8192,
                         help="tokens stored and retrieved per call (default 8192 = 256 MiB of KV)")
+    parser.add_argument("--layout", default="cpu", choices=kernels.LAYOUTS,
+                        help="KV cache layout (default cpu: vLLM's CPU backend)")
+    parser.add_argument("--block-size", type=int, default=_BLOCK_SIZE,
+                        help=f"tokens per KV block (default {_BLOCK_SIZE}; vLLM's CPU backend uses 128)")
     parser.add_argument("--pipeline", default="local-cpu",
                         help="built-in pipeline name or path to a pipeline file (default local-cpu)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed runs per measurement; the best counts (default 5)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    parser.add_argument("--via", choices=("process", "server"), default="process",
+                        help="server: store and retrieve through a flowkv node server next to in-process "
+                             "local-cpu (flowkv.bench.node)")
 
 
 def _codec_of(pipeline: Any) -> tuple[str, dict[str, Any]]:
@@ -149,7 +167,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from flowkv.pipeline import load_pipeline
     from flowkv._testing.paged import make_paged_kv, random_slot_mapping
 
-    geometry = KVGeometry("cpu", _LAYERS, _KV_HEADS, _HEAD_SIZE, _BLOCK_SIZE, torch.bfloat16)
+    if args.layout == "mla":
+        geometry = KVGeometry("mla", _LAYERS, 1, _MLA_HEAD_SIZE, args.block_size, torch.bfloat16)
+    else:
+        geometry = KVGeometry(args.layout, _LAYERS, _KV_HEADS, _HEAD_SIZE, args.block_size, torch.bfloat16)
     pipeline = load_pipeline(args.pipeline)
     chunk = pipeline.chunk_size
     n = args.tokens // chunk * chunk  # whole chunks: partial ones are not stored by default
@@ -163,11 +184,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     engine = CacheEngine.from_pipeline(args.pipeline, geometry=geometry, model_name="bench", overrides=overrides)
     codec, params = _codec_of(engine.pipeline)
     kv_bytes = n * geometry.token_bytes
-    num_blocks = -(-n // _BLOCK_SIZE) + 1
+    num_blocks = -(-n // args.block_size) + 1
 
     reps = args.repeats
     hash_tokens = torch.randint(0, 128_000, (_LOOKUP_TOKENS,), generator=torch.Generator().manual_seed(7))
-    steps = 5 * (reps + 1) + len(HASH_FUNCTIONS) * (reps + 1) + 3 * (reps + 1)
+    steps = 5 * (reps + 1) + 2 * reps + len(HASH_FUNCTIONS) * (reps + 1) + 3 * (reps + 1)
     progress = tqdm(total=steps, desc="bench engine", file=sys.stderr, leave=False, unit="run")
 
     def tick() -> None:
@@ -218,6 +239,31 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             if attempt:
                 runs.append(time.perf_counter() - start)
         progress.update(2)
+    engine.memory.clear()
+
+    # Fresh engines: the first store into an arena pre-faulted as the engine does at
+    # start, and into one that is not. Each its own engine, alternating.
+    fresh_times: dict[str, list[float]] = {"background": [], "off": []}
+    fresh_state = ""
+    for _ in range(reps):
+        for prefault, runs in fresh_times.items():
+            fresh = CacheEngine.from_pipeline(args.pipeline, geometry=geometry, model_name="bench",
+                                              overrides={**overrides, "tiers.memory.prefault": prefault})
+            try:
+                # A server stores its first request seconds after start: the pre-fault is over then.
+                fresh.memory.arena.wait_resident(timeout=_PREFAULT_WAIT_S)
+                if prefault != "off":
+                    fresh_state = fresh.memory.arena.prefault_state
+                tokens = fresh_tokens()
+                start = time.perf_counter()
+                expect_tokens(fresh.store(tokens, kv_caches=src, slot_mapping=slots), n, "fresh-arena store")
+                runs.append(time.perf_counter() - start)
+            finally:
+                fresh.close()
+                del fresh
+                gc.collect()  # unmaps the arena before the next one
+            progress.update(1)
+
     store_s, store_med = min(store_times), statistics.median(store_times)
     fused_store_s = min(fused_store_times)
     retrieve_s, retrieve_med = min(retrieve_times), statistics.median(retrieve_times)
@@ -233,6 +279,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     # Lookup on a 32k-token prompt: keys exist in memory, no payload is read. The
     # KV size does not enter a lookup, so a one-layer, one-head geometry holds the chunks.
     small = KVGeometry("cpu", 1, 1, _HEAD_SIZE, _BLOCK_SIZE, torch.bfloat16)  # a codec group must divide the head
+    # (the lookup does not depend on the layout or block size measured above)
     looker = CacheEngine.from_pipeline(args.pipeline, geometry=small, model_name="bench",
                                        overrides={"tiers.memory.capacity": "64MiB",
                                                   "tiers.memory.pin_memory": False})
@@ -262,6 +309,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "chunk_size": chunk,
         "kv_bytes": kv_bytes,
         "geometry": geometry.fingerprint(),
+        "layout": geometry.layout,
+        "block_size": geometry.block_size,
         "torch_threads": torch.get_num_threads(),
         "repeats": reps,
         "copy_ms": copy_s * 1e3,
@@ -270,6 +319,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "store_median_ms": store_med * 1e3,
         "store_gbps": gbps(store_s),
         "store_vs_copy": gbps(store_s) / gbps(copy_s),
+        "store_fresh_ms": min(fresh_times["background"]) * 1e3,
+        "store_fresh_median_ms": statistics.median(fresh_times["background"]) * 1e3,
+        "store_fresh_gbps": gbps(min(fresh_times["background"])),
+        "store_fresh_vs_copy": gbps(min(fresh_times["background"])) / gbps(copy_s),
+        "store_fresh_prefault_state": fresh_state,
+        "store_fresh_no_prefault_ms": min(fresh_times["off"]) * 1e3,
+        "store_fresh_no_prefault_median_ms": statistics.median(fresh_times["off"]) * 1e3,
+        "store_fresh_no_prefault_gbps": gbps(min(fresh_times["off"])),
+        "store_fresh_no_prefault_vs_copy": gbps(min(fresh_times["off"])) / gbps(copy_s),
         "retrieve_ms": retrieve_s * 1e3,
         "retrieve_median_ms": retrieve_med * 1e3,
         "retrieve_gbps": gbps(retrieve_s),
@@ -295,6 +353,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.via == "server":
+        from flowkv.bench import node
+
+        return node.run_engine(args, shape=(_LAYERS, _KV_HEADS, _HEAD_SIZE, _BLOCK_SIZE), lookup_tokens=_LOOKUP_TOKENS)
     try:
         r = measure(args)
     except (OSError, ValueError, RuntimeError) as exc:
@@ -310,11 +372,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'plain torch copy':22}{r['copy_ms']:10.1f}{r['copy_gbps']:9.2f}{1.0:9.2f}")
     print(f"{'store':22}{r['store_ms']:10.1f}{r['store_gbps']:9.2f}{r['store_vs_copy']:9.2f}"
           f"{r['store_overhead_vs_fused']:9.2f}")
+    print(f"{'store, fresh arena':22}{r['store_fresh_ms']:10.1f}{r['store_fresh_gbps']:9.2f}"
+          f"{r['store_fresh_vs_copy']:9.2f}{'':9}  median {r['store_fresh_median_ms']:.1f} ms, "
+          f"pre-fault {r['store_fresh_prefault_state']}")
+    print(f"{'  not pre-faulted':22}{r['store_fresh_no_prefault_ms']:10.1f}{r['store_fresh_no_prefault_gbps']:9.2f}"
+          f"{r['store_fresh_no_prefault_vs_copy']:9.2f}{'':9}  median {r['store_fresh_no_prefault_median_ms']:.1f} ms")
     print(f"{'retrieve':22}{r['retrieve_ms']:10.1f}{r['retrieve_gbps']:9.2f}{r['retrieve_vs_copy']:9.2f}"
           f"{r['retrieve_overhead_vs_fused']:9.2f}")
     print(f"{'hand-fused store':22}{r['fused_store_ms']:10.1f}")
     print(f"{'hand-fused retrieve':22}{r['fused_retrieve_ms']:10.1f}")
-    print("x copy = GB/s against the plain copy of the same bytes; x fused = pipeline time / hand-fused loop time")
+    print("x copy = GB/s against the plain copy of the same bytes; x fused = pipeline time / hand-fused loop time;")
+    print("store = into arena pages used before (steady state); fresh arena = the first store of a new engine")
     print("hashing, Mtokens/s: " + ", ".join(f"{name} {rate:.1f}" for name, rate in r["hash_mtokens_per_s"].items())
           + f" (the pipeline uses {r['hash_function']})")
     print(f"lookup of {r['lookup_tokens']} tokens: hit {r['lookup_hit_ms']:.2f} ms "

@@ -16,11 +16,18 @@ the files dropped from the OS page cache before each request).
 Each length is measured ``--repeats`` times with prompts of its own; the
 table gives the median and the range, the plot the median with the range as
 error bars.
+
+``--via server`` compares instead, on the same prompts: no cache, flowkv in
+this process (``--pipeline``, default ``local-cpu``), flowkv through a node
+server the benchmark starts (pipeline ``node``), and vLLM's own prefix cache
+(on, no connector) — and prints the server's hit TTFT as a ratio to
+in-process.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -48,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, of: {', '.join(PEERS)}")
     parser.add_argument("--pipeline", default="local-cpu", help="flowkv pipeline for memory hits (default local-cpu)")
     parser.add_argument("--model-dir", default=str(default_model_dir()), help="the benchmark model folder")
+    parser.add_argument("--via", choices=("process", "server"), default="process",
+                        help="server: flowkv in-process vs through a node server vs vLLM's prefix cache")
 
 
 def _prompt(length: int, seed: int, vocab: int) -> list[int]:
@@ -75,6 +84,16 @@ def _peers(tmp: Path, pipeline: str) -> dict[str, Any]:
             kv_connector_extra_config={"num_cpu_blocks": 1024},
         ),
         "SimpleCPUOffloadConnector": KVTransferConfig(kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both"),
+    }
+
+
+def _server_peers(pipeline: str, socket: Path) -> dict[str, Any]:
+    """--via server: the same prompt in-process, through the node server, and from vLLM's prefix cache."""
+    return {
+        "no cache": None,
+        "flowkv in-process": flowkv_config(pipeline),
+        "flowkv via server": flowkv_config("node", **{"tiers.node.socket": str(socket)}),
+        "vLLM prefix cache": "prefix-cache",
     }
 
 
@@ -117,8 +136,18 @@ def run(args: argparse.Namespace) -> int:
     prompts = {n: [_prompt(n, seed=n * 100 + r, vocab=vocab) for r in range(args.repeats)] for n in lengths}
     results: dict[str, Any] = {"lengths": lengths, "repeats": args.repeats, "ttft_s": {}, "ttft_runs_s": {},
                                "served_tokens": {}, "failed": {}}
-    with tempfile.TemporaryDirectory(prefix="flowkv-bench-ttft-") as tmp:
-        configs = _peers(Path(tmp), args.pipeline)
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="flowkv-bench-ttft-"))
+        if args.via == "server":
+            from flowkv.bench.node import node_server
+
+            kv_per_token = 2 * DEMO_MODEL["num_layers"] * DEMO_MODEL["num_kv_heads"] * 2 * (
+                DEMO_MODEL["hidden_size"] // DEMO_MODEL["num_heads"])
+            configs = _server_peers(args.pipeline, stack.enter_context(
+                node_server(2 * sum(lengths) * args.repeats * kv_per_token + (256 << 20))))
+            peers = list(configs)
+        else:
+            configs = _peers(Path(tmp), args.pipeline)
         for name in peers:
             print(f"bench ttft: {name}...", file=sys.stderr)
             measure = _measure_from_disk if name == "flowkv disk" else _measure
@@ -132,6 +161,9 @@ def run(args: argparse.Namespace) -> int:
             results["ttft_s"][name] = [statistics.median(runs[n]) for n in lengths]
             results["served_tokens"][name] = [min(served[n]) for n in lengths]
     base = results["ttft_s"].get("no cache")
+    local, remote = results["ttft_s"].get("flowkv in-process"), results["ttft_s"].get("flowkv via server")
+    if local and remote:
+        results["server_vs_in_process"] = [r / t for r, t in zip(remote, local)]
     if base:
         results["speedup_vs_no_cache"] = {
             name: [b / t for b, t in zip(base, times)] for name, times in results["ttft_s"].items()
@@ -169,7 +201,10 @@ def _measure(model: Path, config: Any, prompts: dict[int, list[list[int]]], *, m
         time_to_first_token(llm, prompt)  # cold: computes (and the connector stores)
         return time_to_first_token(llm, prompt)  # again: a hit where the connector has one
 
-    llm = build_llm(model, kv_transfer_config=config, max_model_len=max_model_len)
+    if config == "prefix-cache":  # vLLM's own prefix cache, no connector
+        llm = build_llm(model, max_model_len=max_model_len, enable_prefix_caching=True)
+    else:
+        llm = build_llm(model, kv_transfer_config=config, max_model_len=max_model_len)
     try:
         return _each_prompt(prompts, twice)
     finally:
@@ -215,7 +250,11 @@ def _print(results: dict[str, Any]) -> None:
             cells.append(f"{cell} {speedup:4.1f}x {served:>5}" if speedup else cell)
         print(f"{length:>7} " + " ".join(f"{c:>24}" for c in cells))
     print(f"(cells: median TTFT of the repeated prompt in ms over {results['repeats']} prompts, (range), "
-          "speedup against no cache, fewest tokens served by the connector)")
+          "speedup against no cache, fewest tokens served by the connector; vLLM's prefix cache serves what "
+          "num_cached_tokens says)")
+    if "server_vs_in_process" in results:
+        print("hit TTFT via server / in-process: " + ", ".join(
+            f"{length}: {ratio:.2f}x" for length, ratio in zip(results["lengths"], results["server_vs_in_process"])))
     for name, why in results["failed"].items():
         print(f"{name}: did not start here: {why}")
 

@@ -7,6 +7,7 @@ its ``[tiers.NAME]`` table::
     kind = "memory"
     capacity = "4GiB"      # the arena; each entry costs its bytes in 4 KiB pages
     pin_memory = true      # page-locked when CUDA is present (fast async copies)
+    prefault = "background"  # make the arena's pages resident early: background|now|off
 
 ``open(slab_bytes=...)`` allocates the arena (`flowkv.memory.MemoryArena`)
 once the storage manager knows the largest object (one raw chunk and a
@@ -59,6 +60,9 @@ class MemoryTierConfig:
     eviction: Literal["lru"] = "lru"
     # Page-lock the arena when CUDA is present, for fast asynchronous copies.
     pin_memory: bool = True
+    # Make the arena's pages resident before stores write them (flowkv/resident.py):
+    # "background" (after start), "now" (before the engine starts) or "off".
+    prefault: Literal["background", "now", "off"] = "background"
 
 
 @attrs.frozen
@@ -122,7 +126,8 @@ class MemoryTier(ObjectTier):
     def open(self, *, slab_bytes: int) -> None:
         """Allocate the arena: ``capacity`` bytes, objects of at most ``slab_bytes``."""
         if self._arena is None:
-            self._arena = MemoryArena(self.config.capacity, slab_bytes=slab_bytes, pin_memory=self.config.pin_memory)
+            self._arena = MemoryArena(self.config.capacity, slab_bytes=slab_bytes, pin_memory=self.config.pin_memory,
+                                      prefault=self.config.prefault)
 
     @property
     def arena(self) -> MemoryArena:

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from flowkv.integration.vllm.kv_events import PublishedEvents
 from flowkv.integration.vllm.metrics import FlowKVPromMetrics, FlowKVStats
 from flowkv.integration.vllm.scheduler import ConnectorScheduler
 from flowkv.integration.vllm.settings import ConnectorSettings
@@ -28,7 +29,10 @@ from flowkv.pipeline import load_pipeline
 from flowkv.quality_gate import check_served_model
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
+    from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
@@ -63,6 +67,7 @@ class FlowKVConnector(KVConnectorBase_V1):
             logger.warning("flowkv: %s", warning)
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
+        self._published = PublishedEvents()
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = ConnectorScheduler(vllm_config, self._kv_transfer_config, settings, pipeline)
         elif role == KVConnectorRole.WORKER:
@@ -96,11 +101,18 @@ class FlowKVConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self.scheduler.update_connector_output(connector_output)
-
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The workers' output of a step: asynchronous loads that failed, and flowkv's tier
+        events for vLLM's KV event publisher."""
+        self.scheduler.update_connector_output(connector_output)
+        self._published.absorb(connector_output.kv_cache_events)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """flowkv's ``BlockStored`` / ``BlockRemoved`` events; vLLM publishes them with its own."""
+        return self._published.take()
 
     # -- worker side --------------------------------------------------------------
 
@@ -134,6 +146,10 @@ class FlowKVConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        """This step's tier events as vLLM events (None unless vLLM publishes KV events)."""
+        return self.worker.get_kv_connector_kv_cache_events()
 
     # -- both sides -----------------------------------------------------------------
 

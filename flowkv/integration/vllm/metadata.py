@@ -62,6 +62,8 @@ class SaveSpec:
     skip_prefix: int
     tags: dict[str, str]
     chunk_hashes: list[bytes] | None = None
+    # vLLM's own hashes of the full blocks of token_ids (only when flowkv publishes vLLM KV events).
+    block_hashes: list[bytes] | None = None
 
 
 @dataclass

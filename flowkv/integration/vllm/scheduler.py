@@ -40,6 +40,7 @@ import numpy as np
 
 from flowkv.integration._ipc import LookupClient
 from flowkv.integration.vllm.chunk_hashes import ChunkChain, VllmBlockHashes, keyed_pipeline
+from flowkv.integration.vllm.kv_events import publishes_kv_events
 from flowkv.integration.vllm.metadata import FlowKVMetadata, LoadSpec, SaveSpec, ceil_to, floor_to
 from flowkv.integration.vllm.query import pack_hashes
 from flowkv.integration.vllm.settings import ConnectorSettings, Instance, request_tags
@@ -146,6 +147,8 @@ class ConnectorScheduler:
         self._save_seq = 0
         # Requests whose accepted asynchronous load the next metadata carries.
         self._async_to_send: list[RequestState] = []
+        # Saves carry vLLM's block hashes when flowkv's tiers go into vLLM's KV events.
+        self.publishes_kv_events = publishes_kv_events(vllm_config, pipeline)
         # vLLM reads this policy after it built the connector.
         policy = kv_transfer_config.kv_load_failure_policy
         if policy != "recompute":
@@ -343,9 +346,12 @@ class ConnectorScheduler:
         if store_end <= start:
             return None
         state.stored_end = store_end
+        # vLLM's block hashes, for flowkv's tier events in vLLM's KV events (when those are published).
+        block_hashes = list(request.block_hashes) if self.publishes_kv_events else None
         if state.chain is None:
             return SaveSpec(req_id=request.request_id, token_ids=request.all_token_ids[:store_end], token_start=0,
-                            block_ids=list(state.block_ids), skip_prefix=start, tags=state.tags)
+                            block_ids=list(state.block_ids), skip_prefix=start, tags=state.tags,
+                            block_hashes=block_hashes)
         hashes = state.chain.hashes(request, start, store_end)
         self._save_seq += 1
         for chunk_hash in hashes:
@@ -355,7 +361,7 @@ class ConnectorScheduler:
             self._saved_at.popitem(last=False)
         return SaveSpec(req_id=request.request_id, token_ids=request.all_token_ids[start:store_end],
                         token_start=start, block_ids=list(state.block_ids), skip_prefix=start, tags=state.tags,
-                        chunk_hashes=hashes)
+                        chunk_hashes=hashes, block_hashes=block_hashes)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """A short asynchronous load makes that request's later loads synchronous."""
