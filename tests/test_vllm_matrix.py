@@ -437,7 +437,6 @@ def test_disk_folder_removed_under_cpu_disk(engines, tier_folder):
     [(_, lost_cached)] = run([prompts[0]])
     after = disk_stats()
     assert after["misses"] >= before["misses"] + 1 and after["hits"] == before["hits"]
-    assert after["entries"] <= before["entries"] - 1
     lost.update(cached=lost_cached, misses=after["misses"] - before["misses"],
                 short=worker(llm).get("retrieve_short", 0) - short_before)
     # Writes go on into a recreated folder, and the disk serves hits again.
