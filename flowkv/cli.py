@@ -62,9 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     from flowkv import demo as demo_module
     from flowkv import quality, tracetools
+    from flowkv.fleet import commands as fleet
+
+    from flowkv.server import cli as server_cli
 
     tracetools.add_commands(sub)
     quality.add_commands(sub)
+    fleet.add_commands(sub)
+    server_cli.add_commands(sub)
     demo = sub.add_parser("demo", help="the main job: vLLM with flowkv on a long-document QA workload")
     demo_module.add_arguments(demo)
     demo.set_defaults(func=demo_module.run)
@@ -147,6 +152,7 @@ def describe(pipeline) -> dict[str, Any]:
         "telemetry": plain(pipeline.telemetry),
         "vllm": plain(pipeline.vllm),
         "quality": plain(pipeline.quality),
+        "controller": plain(pipeline.controller),
     }
 
 
@@ -160,7 +166,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2))
         return 0
     print(f"# {info['source']}")
-    for section in ("pipeline", "layerwise", "telemetry", "vllm", "quality"):
+    for section in ("pipeline", "layerwise", "telemetry", "vllm", "quality", "controller"):
         print(f"[{section}]")
         for key, value in info[section].items():
             print(f"  {key} = {value!r}")

@@ -1,9 +1,10 @@
 """Codecs: how a chunk's KV tensor becomes a payload body, and back.
 
-A codec turns one contiguous KV tensor into a body (bytes) and a body back
-into a tensor of the same shape and dtype. `flowkv.payload` wraps the body in
-a header that names the codec by its numeric id and stores the codec's
-parameters, so a payload decodes without out-of-band knowledge.
+A codec turns one KV tensor into a body (bytes) and a body back into a
+tensor of the same shape and dtype. `flowkv.payload` wraps the body in a
+header that names the codec by its numeric id and stores the codec's
+parameters, so a payload decodes without out-of-band knowledge. Codecs take
+any strided tensor of the chunk's logical shape, contiguous or not.
 
 Built-in codecs:
 
@@ -15,7 +16,8 @@ name            id    lossless  what
 ``lz4-shuffle`` 2     yes       byte planes (high bytes apart from low), LZ4
 ``zstd``        3     yes       Zstandard, ``level`` (default 3)
 ``zstd-shuffle``4     yes       byte planes, then Zstandard
-``fp8``         16    no        float8 e4m3 with fp32 scales per token or group
+``fp8``         16    no        float8 e4m3, fp32 scales per token or group,
+                                or per key channel (``scaling``)
 ``int8``        17    no        KIVI-style: keys per channel, values per token
 ``int4``        18    no        as ``int8``, 4 bits, two values per byte
 =============== ===== ========= ==========================================
@@ -24,7 +26,17 @@ Lossy codecs see the chunk layout ``(num_layers, kv, num_tokens,
 num_kv_heads, head_size)``: with ``kv == 2`` index 0 of dim 1 is keys and
 index 1 values; with ``kv == 1`` (MLA) the single latent is treated as values.
 Each lossy codec states its error bound as a formula (``error_bound``) and
-computes it per element (`Codec.max_error`), which the tests check.
+computes it per element (`Codec.max_error`), which the tests check against
+an independent float64 quantizer. Every lossy codec takes ``window``: the
+chunk's last ``window`` tokens stay exact. In a pipeline, the ``compress``
+stage's ``window`` means the last tokens of each stored prefix, and
+`prefix_window` gives each chunk its share.
+
+Body layouts are versioned by the header's parameters: a parameter added
+after its codec shipped is written to the header only when it differs from
+its default, and its default keeps the earlier layout. Payloads written
+before it existed decode unchanged; a flowkv that predates it refuses such a
+payload (an unknown parameter: a miss) rather than misread it.
 
 Ids 0-1023 are reserved for built-ins; a codec from another package
 registers with `register_codec` and an id of 1024 or more.
@@ -45,6 +57,7 @@ from __future__ import annotations
 
 import abc
 import difflib
+import math
 import threading
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -170,8 +183,16 @@ class Codec(abc.ABC):
             raise ValueError(f"codec {self.name!r}: {exc}") from exc
 
     def params_to_header(self, params: Any) -> dict[str, Any]:
-        """The parameters as a JSON-able mapping for the payload header."""
-        return attrs.asdict(params)
+        """The parameters as a JSON-able mapping for the payload header.
+
+        Parameters added after a codec first shipped are left out while they
+        have their default (see ``_HEADER_OMITS_DEFAULT``).
+        """
+        return {
+            field.name: getattr(params, field.name)
+            for field in attrs.fields(type(params))
+            if not (field.metadata.get("header_omits_default") and getattr(params, field.name) == field.default)
+        }
 
     def params_from_header(self, stored: Mapping[str, Any]) -> Any:
         """Rebuild parameters from a header; raises CodecDataError if they do not validate."""
@@ -409,6 +430,47 @@ class ZstdShuffleCodec(ZstdCodec):
 # Lossy
 # ---------------------------------------------------------------------------
 
+# Marks a parameter added after its codec first shipped. The header leaves it
+# out while it has its default, which keeps the body layout the codec had
+# before: payloads written before the parameter existed decode unchanged, and
+# a flowkv that predates it refuses a payload that sets it (an unknown
+# parameter, so a miss) instead of misreading the body.
+_HEADER_OMITS_DEFAULT = {"header_omits_default": True}
+
+
+def _choice(*choices: str) -> Any:
+    """An attrs validator: the value is one of `choices`; the error names them and the closest."""
+
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), choices, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{attribute.name!r} must be one of {', '.join(map(repr, choices))}, got {value!r}{hint}")
+
+    return check
+
+
+def _window_field() -> Any:
+    return attrs.field(default=0, validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)],
+                       metadata=_HEADER_OMITS_DEFAULT)
+
+
+def prefix_window(window: int, start: int, end: int, prefix_end: int) -> int:
+    """How many of chunk ``[start, end)``'s tokens lie in the last `window` tokens before `prefix_end`.
+
+    That is the chunk's codec ``window`` when the last `window` tokens of a
+    stored prefix ending at `prefix_end` stay exact; the tokens it counts
+    are always the chunk's last ones.
+
+    >>> [prefix_window(64, s, s + 256, 1024) for s in (0, 256, 512, 768)]
+    [0, 0, 0, 64]
+    >>> prefix_window(300, 512, 768, 1024), prefix_window(0, 768, 1024, 1024)
+    (44, 0)
+    """
+    if window <= 0:
+        return 0
+    return max(0, end - max(start, prefix_end - window))
+
 
 def _check_kv_layout(codec: str, kv: torch.Tensor) -> None:
     if kv.dtype not in FLOAT_DTYPES:
@@ -434,15 +496,16 @@ def _section(body: memoryview, dtype: torch.dtype, count: int, offset: int, devi
 
 
 def _new_body(nbytes: int, device: torch.device) -> torch.Tensor:
-    """The encoded body, written in place by the quantizer on `device`.
-
-    fp32 statistics go first so that their views stay 4-byte aligned.
-    """
+    """The encoded body, written in place by the quantizer on `device`."""
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def _finish_body(body: torch.Tensor) -> np.ndarray:
     return body.cpu().numpy()
+
+
+def _align4(nbytes: int) -> int:
+    return (nbytes + 3) & ~3
 
 
 def _pack_nibbles(codes: torch.Tensor, packed: torch.Tensor) -> None:
@@ -463,36 +526,128 @@ def _unpack_nibbles(packed: torch.Tensor, count: int) -> torch.Tensor:
     return pairs.view(torch.uint8)[:count]
 
 
+def _to_half(x: torch.Tensor, toward: float) -> torch.Tensor:
+    """fp32 `x` as the nearest float16 on the side of `toward` (-inf: at or below x, +inf: at or above)."""
+    half = x.half()
+    off = half.float() > x if toward < 0 else half.float() < x
+    return torch.where(off, torch.nextafter(half, torch.full_like(half, toward)), half)
+
+
+class _LossyCodec(Codec):
+    """A quantizer for chunk tensors, with an exact window of the chunk's last tokens.
+
+    Body: the quantizer's statistics (fp32 or fp16, padded to 4 bytes), then
+    the window's tokens as they came in (the input dtype, shape (layers, kv,
+    window, heads, head_size)), then the quantizer's codes for the tokens
+    before the window. Without a window it is the body these codecs always
+    had. Subclasses quantize any (layers, kv, tokens, heads, head_size)
+    tensor, strided or not.
+    """
+
+    lossless = False
+
+    def check_tensor(self, kv: torch.Tensor) -> None:
+        _check_kv_layout(self.name, kv)
+
+    def _exact_tokens(self, shape: tuple[int, ...], params: Any) -> int:
+        """Tokens at the end of a chunk of `shape` that the body keeps exact."""
+        return min(params.window, shape[2])
+
+    @abc.abstractmethod
+    def _sizes(self, shape: tuple[int, ...], params: Any) -> tuple[int, int]:
+        """(statistics bytes, code bytes) for quantizing a tensor of `shape`."""
+
+    @abc.abstractmethod
+    def _quantize(self, part: torch.Tensor, params: Any, stats: torch.Tensor, codes: torch.Tensor) -> None:
+        """Write `part`'s statistics and codes into the uint8 tensors `stats` and `codes`."""
+
+    @abc.abstractmethod
+    def _dequantize(self, stats: memoryview, codes: memoryview, params: Any, out: torch.Tensor) -> None:
+        """Write the values that `stats` and `codes` encode into `out` (a strided view)."""
+
+    @abc.abstractmethod
+    def _bound(self, part: torch.Tensor, params: Any) -> torch.Tensor:
+        """Per-element bound (float64) on the quantization error of `part`."""
+
+    def _split(self, shape: tuple[int, ...], params: Any) -> tuple[int, int, int, int]:
+        """(quantized tokens, statistics bytes, window bytes per element, code bytes)."""
+        tokens = shape[2] - self._exact_tokens(shape, params)
+        stat_bytes, code_bytes = self._sizes(shape[:2] + (tokens,) + shape[3:], params)
+        return tokens, _align4(stat_bytes), stat_bytes, code_bytes
+
+    def encode(self, kv: torch.Tensor, params: Any) -> Any:
+        kv = kv.detach()
+        shape = tuple(kv.shape)
+        tokens, stats_end, stat_bytes, code_bytes = self._split(shape, params)
+        part, window = kv[:, :, :tokens], kv[:, :, tokens:]
+        window_bytes = window.numel() * kv.element_size()
+        body = _new_body(stats_end + window_bytes + code_bytes, kv.device)
+        if window.numel():
+            if not bool(torch.isfinite(window).all()):
+                raise ValueError(f"{self.name} codec cannot encode non-finite values (inf or nan in the KV)")
+            body[stats_end : stats_end + window_bytes].view(kv.dtype).view(window.shape).copy_(window)
+        body[stat_bytes:stats_end] = 0
+        if part.numel():
+            self._quantize(part, params, body[:stat_bytes], body[stats_end + window_bytes :])
+        return _finish_body(body)
+
+    def decode_into(self, body: memoryview, params: Any, out: torch.Tensor) -> None:
+        shape = tuple(out.shape)
+        if len(shape) != 5 or shape[1] not in (1, 2):
+            raise CodecDataError(f"{self.name} payload has shape {shape}, not a chunk shape")
+        tokens, stats_end, stat_bytes, code_bytes = self._split(shape, params)
+        window_count = out[:, :, tokens:].numel()
+        window_bytes = window_count * out.element_size()
+        _check_body_size(self.name, body, stats_end + window_bytes + code_bytes)
+        if window_count:
+            window, _ = _section(body, out.dtype, window_count, stats_end, out.device)
+            out[:, :, tokens:].copy_(window.view(out[:, :, tokens:].shape))
+        if tokens and out.numel():
+            self._dequantize(body[:stat_bytes], body[stats_end + window_bytes :], params, out[:, :, :tokens])
+
+    def max_error(self, kv: torch.Tensor, params: Any) -> torch.Tensor:
+        tokens = kv.shape[2] - self._exact_tokens(tuple(kv.shape), params)
+        bound = torch.zeros(kv.shape, dtype=torch.float64)
+        if kv[:, :, :tokens].numel():
+            bound[:, :, :tokens] = self._bound(kv[:, :, :tokens], params)
+        return bound
+
+
 @attrs.frozen
 class Fp8Params:
     """fp8 parameters.
 
-    `group_size` 0 gives one scale per token (all heads of one layer and kv
-    index); N > 0 one scale per N consecutive channels of a token, N must
-    divide num_kv_heads * head_size.
+    `scaling` ``"token"``: one scale per token (all heads of one layer and kv
+    index), or with `group_size` N > 0 one per N consecutive channels of a
+    token (N must divide num_kv_heads * head_size). ``"channel"``: keys get
+    one scale per channel (per layer, head and channel, over the chunk's
+    tokens), values per token as with ``"token"``. `window`: the chunk's
+    last `window` tokens stay exact.
     """
 
     group_size: int = attrs.field(default=0, validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)])
+    scaling: str = attrs.field(default="token", validator=_choice("token", "channel"),
+                               metadata=_HEADER_OMITS_DEFAULT)
+    window: int = _window_field()
 
 
-class Fp8Codec(Codec):
-    """float8 e4m3 values with an fp32 scale per token or per group.
+class Fp8Codec(_LossyCodec):
+    """float8 e4m3 values with fp32 scales.
 
-    scale = amax(|x| in group) / 448; stored q = e4m3(x / scale).
-    Body: the scales (fp32, group order), then the e4m3 codes.
+    scale = amax(|x| in group) / 448; stored q = e4m3(x / scale). e4m3 keeps
+    3 mantissa bits at every magnitude, so the scale matters for the range
+    it maps into e4m3's normal numbers, not for the relative precision.
+    Statistics: the scales in group order (``"channel"``: key scales, then
+    value scales); codes: the e4m3 bytes in tensor order.
     """
 
     name = "fp8"
     codec_id = 16
-    lossless = False
     error_bound = (
         "|x' - x| <= 2^-4 |x| + 2^-10 * amax/448 per group (e4m3 rounding, normal and subnormal), "
-        "plus rounding into the output dtype"
+        "plus rounding into the output dtype; 0 in the window"
     )
     Params = Fp8Params
-
-    def check_tensor(self, kv: torch.Tensor) -> None:
-        _check_kv_layout(self.name, kv)
 
     @staticmethod
     def _group(shape: tuple[int, ...], params: Fp8Params) -> int:
@@ -504,42 +659,80 @@ class Fp8Codec(Codec):
             )
         return group
 
-    def _groups(self, kv: torch.Tensor, params: Fp8Params) -> tuple[torch.Tensor, torch.Tensor]:
-        group = self._group(tuple(kv.shape), params)
-        x = kv.float().reshape(-1, group)
-        amax = x.abs().amax(dim=1, keepdim=True) if x.numel() else x.new_zeros((x.shape[0], 1))
-        return x, amax
+    def _channel_keys(self, shape: tuple[int, ...], params: Fp8Params) -> bool:
+        return params.scaling == "channel" and shape[1] == 2
 
-    def encode(self, kv: torch.Tensor, params: Fp8Params) -> Any:
-        x, amax = self._groups(kv.detach(), params)
-        if not bool(torch.isfinite(amax).all()):
-            raise ValueError("fp8 codec cannot encode non-finite values (inf or nan in the KV)")
-        scale = torch.where(amax > 0, amax / _FP8_MAX, torch.ones_like(amax))
-        groups = scale.numel()
-        body = _new_body(4 * groups + x.numel(), kv.device)
-        body[: 4 * groups].view(torch.float32).copy_(scale.reshape(-1))
-        # x / scale may land a hair above 448 through rounding; e4m3fn has no
-        # infinity, so an unclamped overflow would become nan.
-        body[4 * groups :].view(torch.float8_e4m3fn).view(x.shape).copy_(torch.div(x, scale).clamp_(-_FP8_MAX, _FP8_MAX))
-        return _finish_body(body)
+    def _scale_count(self, shape: tuple[int, ...], params: Fp8Params) -> int:
+        layers, kvs, tokens, heads, head_size = shape
+        groups = layers * tokens * heads * head_size // self._group(shape, params) if tokens else 0
+        if self._channel_keys(shape, params):
+            return layers * heads * head_size + groups  # key channels, then value groups
+        return kvs * groups
 
-    def decode_into(self, body: memoryview, params: Fp8Params, out: torch.Tensor) -> None:
-        group = self._group(tuple(out.shape), params)
-        count = out.numel()
-        groups = count // group if group else 0
-        _check_body_size(self.name, body, count + 4 * groups)
-        scale, offset = _section(body, torch.float32, groups, 0, out.device)
-        q, _ = _section(body, torch.float8_e4m3fn, count, offset, out.device)
-        if count:
-            out.view(-1, group).copy_(q.view(-1, group).float().mul_(scale.view(-1, 1)))
+    def _sizes(self, shape: tuple[int, ...], params: Fp8Params) -> tuple[int, int]:
+        count = 1
+        for dim in shape:
+            count *= dim
+        return 4 * self._scale_count(shape, params), count
 
-    def max_error(self, kv: torch.Tensor, params: Fp8Params) -> torch.Tensor:
-        x, amax = self._groups(kv, params)
-        x = x.double()
-        scale = amax.double() / _FP8_MAX
-        bound = 2.0**-4 * x.abs() + 2.0**-10 * scale
-        bound = bound * (1 + 1e-6)  # fp32 arithmetic in x / scale and q * scale
-        return _output_rounding(bound, x, kv.dtype).reshape(kv.shape)
+    def _grouped(self, part: torch.Tensor, params: Fp8Params) -> list[tuple[int | None, torch.Tensor, int]]:
+        """(kv index or None for all, fp32 values shaped for their scales, the dim a scale covers)."""
+        group = self._group(tuple(part.shape), params)
+        layers, kvs, tokens, heads, head_size = part.shape
+        x = part.float()
+        if self._channel_keys(tuple(part.shape), params):
+            return [(0, x[:, 0], 1), (1, x[:, 1].reshape(layers, tokens, heads * head_size // group, group), 3)]
+        return [(None, x.reshape(layers, kvs, tokens, heads * head_size // group, group), 4)]
+
+    @staticmethod
+    def _amax(x: torch.Tensor, dim: int) -> torch.Tensor:
+        if x.numel():
+            return x.abs().amax(dim=dim, keepdim=True)
+        shape = list(x.shape)
+        shape[dim] = 1
+        return x.new_zeros(shape)
+
+    def _quantize(self, part: torch.Tensor, params: Fp8Params, stats: torch.Tensor, codes: torch.Tensor) -> None:
+        scales = stats.view(torch.float32)
+        codes = codes.view(torch.float8_e4m3fn).view(part.shape)
+        offset = 0
+        for index, x, dim in self._grouped(part, params):
+            amax = self._amax(x, dim)
+            if not bool(torch.isfinite(amax).all()):
+                raise ValueError("fp8 codec cannot encode non-finite values (inf or nan in the KV)")
+            scale = torch.where(amax > 0, amax / _FP8_MAX, torch.ones_like(amax))
+            scales[offset : offset + scale.numel()].copy_(scale.reshape(-1))
+            offset += scale.numel()
+            target = codes if index is None else codes[:, index]
+            # x / scale may land a hair above 448 through rounding; e4m3fn has no
+            # infinity, so an unclamped overflow would become nan.
+            target.view(x.shape).copy_(torch.div(x, scale).clamp_(-_FP8_MAX, _FP8_MAX))
+
+    def _dequantize(self, stats: memoryview, codes: memoryview, params: Fp8Params, out: torch.Tensor) -> None:
+        shape = tuple(out.shape)
+        scales, _ = _section(stats, torch.float32, self._scale_count(shape, params), 0, out.device)
+        q, _ = _section(codes, torch.float8_e4m3fn, out.numel(), 0, out.device)
+        q = q.view(shape)
+        offset = 0
+        for index, x, dim in self._grouped(q, params):
+            stat_shape = list(x.shape)
+            stat_shape[dim] = 1
+            count = math.prod(stat_shape)
+            scale = scales[offset : offset + count].view(stat_shape)
+            offset += count
+            target = out if index is None else out[:, index]
+            target.view(x.shape).copy_(x.mul_(scale))
+
+    def _bound(self, part: torch.Tensor, params: Fp8Params) -> torch.Tensor:
+        bound = torch.empty(part.shape, dtype=torch.float64)
+        for index, x, dim in self._grouped(part, params):
+            scale = self._amax(x, dim).double() / _FP8_MAX
+            x = x.double()
+            piece = 2.0**-4 * x.abs() + 2.0**-10 * scale
+            piece = piece * (1 + 1e-6)  # fp32 arithmetic in x / scale and q * scale
+            piece = _output_rounding(piece, x, part.dtype)
+            (bound if index is None else bound[:, index]).view(piece.shape).copy_(piece)
+        return bound
 
 
 @attrs.frozen
@@ -551,32 +744,41 @@ class IntParams:
     `key_group_size` consecutive tokens; 0 means all the chunk's tokens, N
     must divide num_tokens. Values get them per token, over groups of
     `group_size` channels of one head; 0 means a whole head (head_size
-    channels), N must divide head_size.
+    channels), N must divide head_size. `window`: the chunk's last `window`
+    tokens stay exact (tokens that would leave a key group short join them).
+    `scale_dtype`: ``"fp32"`` or ``"fp16"`` scales and zero points (fp16
+    halves their cost; zero points are rounded down and scales up, so every
+    value stays within half a step).
     """
 
     group_size: int = attrs.field(default=0, validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)])
     key_group_size: int = attrs.field(default=0, validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)])
+    window: int = _window_field()
+    scale_dtype: str = attrs.field(default="fp32", validator=_choice("fp32", "fp16"),
+                                   metadata=_HEADER_OMITS_DEFAULT)
 
 
-class _IntCodec(Codec):
-    """Asymmetric uniform quantization, KIVI layout, fp32 scales and minima.
+class _IntCodec(_LossyCodec):
+    """Asymmetric uniform quantization, KIVI layout.
 
-    Body: key minima, key scales, value minima, value scales (fp32; no key
-    ones when kv == 1), then the codes for the whole tensor in (layer, kv,
+    Statistics: key minima, key scales, value minima, value scales (no key
+    ones when kv == 1); codes: the whole quantized tensor in (layer, kv,
     token, head, channel) order; int4 packs element 2i in the low nibble and
     2i+1 in the high nibble of byte i.
     """
 
-    lossless = False
     bits: ClassVar[int]
     Params = IntParams
-
-    def check_tensor(self, kv: torch.Tensor) -> None:
-        _check_kv_layout(self.name, kv)
 
     @property
     def _levels(self) -> int:
         return (1 << self.bits) - 1
+
+    def _exact_tokens(self, shape: tuple[int, ...], params: IntParams) -> int:
+        exact = min(params.window, shape[2])
+        if exact and params.key_group_size:
+            exact += (shape[2] - exact) % params.key_group_size
+        return exact
 
     def _group_sizes(self, shape: tuple[int, ...], params: IntParams) -> tuple[int, int]:
         """Channels per value group and tokens per key group of a chunk of `shape` (0: the whole dim)."""
@@ -599,92 +801,100 @@ class _IntCodec(Codec):
         per_head = head_size // group if group else 0
         return part.reshape(layers, tokens, heads, per_head, group), -1
 
-    def _stats(self, kv: torch.Tensor, params: IntParams) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(kv index, grouped fp32 view, min, scale) for keys then values."""
-        group, key_group = self._group_sizes(tuple(kv.shape), params)
-        x = kv.float()
+    def _stat_counts(self, shape: tuple[int, ...], params: IntParams) -> list[int]:
+        layers, kvs, tokens, heads, head_size = shape
+        group, key_group = self._group_sizes(shape, params)
+        value_stats = layers * tokens * heads * (head_size // group if group else 0)
+        if kvs == 2:
+            return [layers * (tokens // key_group if key_group else 0) * heads * head_size, value_stats]
+        return [value_stats]
+
+    def _stat_dtype(self, params: IntParams) -> torch.dtype:
+        return torch.float16 if params.scale_dtype == "fp16" else torch.float32
+
+    def _sizes(self, shape: tuple[int, ...], params: IntParams) -> tuple[int, int]:
+        count = 1
+        for dim in shape:
+            count *= dim
+        stat_bytes = 2 * self._stat_dtype(params).itemsize * sum(self._stat_counts(shape, params))
+        return stat_bytes, count if self.bits == 8 else (count + 1) // 2
+
+    def _stats(self, part: torch.Tensor, params: IntParams) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(kv index, grouped fp32 view, min, scale) for keys then values, as stored (fp16-rounded or not)."""
+        group, key_group = self._group_sizes(tuple(part.shape), params)
+        x = part.float()
         parts = []
-        for index in range(kv.shape[1]):
-            grouped, dim = self._grouped(x[:, index], index, kv.shape[1], group, key_group)
+        for index in range(part.shape[1]):
+            grouped, dim = self._grouped(x[:, index], index, part.shape[1], group, key_group)
             if grouped.numel():
                 lo, hi = torch.aminmax(grouped, dim=dim, keepdim=True)
             else:
                 stat_shape = list(grouped.shape)
                 stat_shape[dim] = 1
                 lo = hi = grouped.new_zeros(stat_shape)
+            if not (bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all())):
+                raise ValueError(f"{self.name} codec cannot encode non-finite values (inf or nan in the KV)")
+            if params.scale_dtype == "fp16":
+                lo = _to_half(lo, -math.inf).float()
             span = hi - lo
             scale = torch.where(span > 0, span / self._levels, torch.ones_like(span))
+            if params.scale_dtype == "fp16":
+                scale = _to_half(scale, math.inf).float()
+                if not (bool(torch.isfinite(lo).all()) and bool(torch.isfinite(scale).all())):
+                    raise ValueError(f"{self.name} scale_dtype 'fp16' cannot hold this KV's range "
+                                     f"(beyond +-65504); use scale_dtype 'fp32'")
+            elif not bool(torch.isfinite(scale).all()):
+                raise ValueError(f"{self.name} codec cannot encode non-finite values (inf or nan in the KV)")
             parts.append((index, grouped, lo, scale))
         return parts
 
-    def _stat_counts(self, shape: tuple[int, ...], group: int, key_group: int) -> list[int]:
-        layers, kvs, tokens, heads, head_size = shape
-        value_stats = layers * tokens * heads * (head_size // group if group else 0)
-        if kvs == 2:
-            return [layers * (tokens // key_group if key_group else 0) * heads * head_size, value_stats]
-        return [value_stats]
-
-    def _code_bytes(self, count: int) -> int:
-        return count if self.bits == 8 else (count + 1) // 2
-
-    def encode(self, kv: torch.Tensor, params: IntParams) -> Any:
-        kv = kv.detach()
-        parts = self._stats(kv, params)
-        stat_bytes = 8 * sum(lo.numel() for _, _, lo, _ in parts)
-        body = _new_body(stat_bytes + self._code_bytes(kv.numel()), kv.device)
-        stats = body[:stat_bytes].view(torch.float32)
-        codes = body[stat_bytes:] if self.bits == 8 else torch.empty(kv.numel(), dtype=torch.uint8, device=kv.device)
-        codes = codes.view(kv.shape)
+    def _quantize(self, part: torch.Tensor, params: IntParams, stats: torch.Tensor, codes: torch.Tensor) -> None:
+        stats = stats.view(self._stat_dtype(params))
+        quantized = codes if self.bits == 8 else torch.empty(part.numel(), dtype=torch.uint8, device=part.device)
+        quantized = quantized.view(part.shape)
         offset = 0
-        for index, grouped, lo, scale in parts:
-            if not (bool(torch.isfinite(lo).all()) and bool(torch.isfinite(scale).all())):
-                raise ValueError(f"{self.name} codec cannot encode non-finite values (inf or nan in the KV)")
+        for index, grouped, lo, scale in self._stats(part, params):
             for stat in (lo, scale):
                 stats[offset : offset + stat.numel()].copy_(stat.reshape(-1))
                 offset += stat.numel()
             q = torch.sub(grouped, lo).div_(scale).round_().clamp_(0, self._levels)
-            codes[:, index].view(q.shape).copy_(q)
+            quantized[:, index].view(q.shape).copy_(q)
         if self.bits == 4:
-            _pack_nibbles(codes.view(-1), body[stat_bytes:])
-        return _finish_body(body)
+            _pack_nibbles(quantized.view(-1), codes)
 
-    def decode_into(self, body: memoryview, params: IntParams, out: torch.Tensor) -> None:
+    def _dequantize(self, stats: memoryview, codes: memoryview, params: IntParams, out: torch.Tensor) -> None:
         shape = tuple(out.shape)
-        if len(shape) != 5 or shape[1] not in (1, 2):
-            raise CodecDataError(f"{self.name} payload has shape {shape}, not a chunk shape")
         group, key_group = self._group_sizes(shape, params)
-        counts = self._stat_counts(shape, group, key_group)
+        counts = self._stat_counts(shape, params)
+        stat_dtype = self._stat_dtype(params)
+        values, _ = _section(stats, stat_dtype, 2 * sum(counts), 0, out.device)
         count = out.numel()
-        code_bytes = self._code_bytes(count)
-        stat_bytes = 8 * sum(counts)
-        _check_body_size(self.name, body, stat_bytes + code_bytes)
-        stats, _ = _section(body, torch.float32, stat_bytes // 4, 0, out.device)
-        codes, _ = _section(body, torch.uint8, code_bytes, stat_bytes, out.device)
+        q, _ = _section(codes, torch.uint8, count if self.bits == 8 else (count + 1) // 2, 0, out.device)
         if self.bits == 4:
-            codes = _unpack_nibbles(codes, count)
-        codes = codes.view(shape)
+            q = _unpack_nibbles(q, count)
+        q = q.view(shape)
         offset = 0
         for index, stat_count in enumerate(counts):
-            q, dim = self._grouped(codes[:, index], index, shape[1], group, key_group)
-            stat_shape = list(q.shape)
+            grouped, dim = self._grouped(q[:, index], index, shape[1], group, key_group)
+            stat_shape = list(grouped.shape)
             stat_shape[dim] = 1
-            lo = stats[offset : offset + stat_count].view(stat_shape)
-            scale = stats[offset + stat_count : offset + 2 * stat_count].view(stat_shape)
+            lo = values[offset : offset + stat_count].view(stat_shape).float()
+            scale = values[offset + stat_count : offset + 2 * stat_count].view(stat_shape).float()
             offset += 2 * stat_count
-            if q.numel():
-                out[:, index].view(q.shape).copy_(torch.addcmul(lo, q.float(), scale))
+            if grouped.numel():
+                out[:, index].view(grouped.shape).copy_(torch.addcmul(lo, grouped.float(), scale))
 
-    def max_error(self, kv: torch.Tensor, params: IntParams) -> torch.Tensor:
-        bound = torch.empty(kv.shape, dtype=torch.float64)
-        for index, grouped, lo, scale in self._stats(kv, params):
+    def _bound(self, part: torch.Tensor, params: IntParams) -> torch.Tensor:
+        bound = torch.empty(part.shape, dtype=torch.float64)
+        for index, grouped, lo, scale in self._stats(part, params):
             lo, scale = lo.double(), scale.double()
             hi = lo + scale * self._levels
             # Half a step from rounding, plus fp32 error in (x - lo) / scale
             # and q * scale + lo, relative to the group's magnitude.
             fp32_slack = 4 * 2.0**-24 * (lo.abs() + hi.abs() + scale)
-            part = (scale / 2 + fp32_slack).expand(grouped.shape)
-            part = _output_rounding(part, grouped.double(), kv.dtype)
-            bound[:, index].view(part.shape).copy_(part)
+            piece = (scale / 2 + fp32_slack).expand(grouped.shape)
+            piece = _output_rounding(piece, grouped.double(), part.dtype)
+            bound[:, index].view(piece.shape).copy_(piece)
         return bound
 
 
@@ -696,7 +906,7 @@ class Int8Codec(_IntCodec):
     bits = 8
     error_bound = (
         "|x' - x| <= scale/2 with scale = (max - min)/255 per key channel (over a token group) "
-        "or per value token group, plus fp32 and output-dtype rounding"
+        "or per value token group, plus fp32 and output-dtype rounding; 0 in the window"
     )
 
 
@@ -708,7 +918,7 @@ class Int4Codec(_IntCodec):
     bits = 4
     error_bound = (
         "|x' - x| <= scale/2 with scale = (max - min)/15 per key channel (over a token group) "
-        "or per value token group, plus fp32 and output-dtype rounding"
+        "or per value token group, plus fp32 and output-dtype rounding; 0 in the window"
     )
 
 

@@ -43,6 +43,7 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
 from flowkv import pipeline_model, registry
 from flowkv._tomlpos import key_positions, locate
 from flowkv.pipeline_model import (
+    ControllerSpec,
     Diagnostic,
     LayerwiseSpec,
     Location,
@@ -143,6 +144,7 @@ _SECTIONS = {
     "telemetry": TelemetrySpec,
     "vllm": VllmSpec,
     "quality": QualitySpec,
+    "controller": ControllerSpec,
 }
 _SIZE_FIELDS = ("capacity", "max_bytes", "slab_size")
 
@@ -257,6 +259,7 @@ class _Loader:
         telemetry = self.structure_table(raw, "telemetry", TelemetrySpec)
         vllm = self.structure_table(raw, "vllm", VllmSpec)
         quality = self.structure_table(raw, "quality", QualitySpec)
+        controller = self.structure_table(raw, "controller", ControllerSpec)
         tiers = self.structure_tiers(raw.get("tiers", {}))
         lists: dict[str, tuple[StageSpec, ...]] = {}
         for kind in ("store", "retrieve", "lookup"):
@@ -272,7 +275,8 @@ class _Loader:
         self.check(section, telemetry, tiers, lists, raw)
         if quality is not None and quality.min_agreement is not None and self.check_quality:
             self.check_quality_gate(quality, lists["store"])
-        if section is None or layerwise is None or telemetry is None or vllm is None or quality is None:
+        if (section is None or layerwise is None or telemetry is None or vllm is None or quality is None
+                or controller is None):
             return None
         return Pipeline(
             name=section.name,
@@ -286,6 +290,7 @@ class _Loader:
             telemetry=telemetry,
             vllm=vllm,
             quality=quality,
+            controller=controller,
         )
 
     def check_quality_gate(self, quality: QualitySpec, store: tuple[StageSpec, ...]) -> None:
@@ -468,12 +473,19 @@ class _Loader:
             self.error(("telemetry", "exporter"),
                        "exporter 'otlp' needs an endpoint (e.g. endpoint = \"http://localhost:4317\")",
                        "missing-key")
-        memory_tiers = [name for name, spec in tiers.items() if spec.info.holds == "objects"]
-        if tiers and len(memory_tiers) != 1:
-            where = ("tiers", memory_tiers[1]) if memory_tiers else ("tiers",)
-            self.error(where, f"declare exactly one tier of kind 'memory' (found {len(memory_tiers)}"
-                       f"{': ' + ', '.join(memory_tiers) if memory_tiers else ''}): store stages chunks there",
-                       "graph")
+        object_tiers = [name for name, spec in tiers.items() if spec.info.holds == "objects"]
+        if tiers and not object_tiers:
+            self.error(("tiers",), "declare a tier that holds objects, of kind 'memory' or 'server' (found none): "
+                       "store stages chunks in the first one", "graph")
+        # Object tiers of different kinds may chain (memory -> server: a copy step between them);
+        # two of one kind would hold the same chunks twice in the same place.
+        by_kind: dict[str, list[str]] = {}
+        for name in object_tiers:
+            by_kind.setdefault(tiers[name].kind, []).append(name)
+        for kind, names in by_kind.items():
+            if len(names) > 1:
+                self.error(("tiers", names[1]), f"declare at most one tier of kind '{kind}' (found {len(names)}: "
+                           f"{', '.join(names)}): object tiers of one kind would hold the same chunks twice", "graph")
         if "tiers" in raw and not raw["tiers"]:
             self.error(("tiers",), "declare at least one tier", "missing-key")
         for kind, specs in lists.items():

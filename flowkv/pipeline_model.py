@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from flowkv.registry import StageInfo, TierInfo
 
 __all__ = [
+    "ControllerSpec",
     "Diagnostic",
     "LayerwiseSpec",
     "Location",
@@ -123,6 +124,19 @@ class VllmSpec:
 
 
 @attrs.frozen
+class ControllerSpec:
+    """``[controller]``: report this instance's chunks to a ``flowkv controller`` (off while ``url`` is unset)."""
+
+    url: str | None = None  # e.g. "http://127.0.0.1:9100"
+    instance_id: str | None = None  # default: advertise_url's host:port, else the host name and vLLM's instance id
+    advertise_url: str | None = None  # where this instance serves requests, for `flowkv route`
+    heartbeat_s: float = 2.0
+    token_file: str | None = None  # the controller's bearer token
+    max_queue: int = 100_000  # events waiting to be sent; past this they are dropped and counted
+    kv_events: bool = True  # also publish tier events as vLLM KV events (when vLLM's --kv-events-config is on)
+
+
+@attrs.frozen
 class QualitySpec:
     """``[quality]``: the output quality a pipeline with lossy codecs must have shown.
 
@@ -152,6 +166,7 @@ class Pipeline:
     telemetry: TelemetrySpec
     vllm: VllmSpec
     quality: QualitySpec = QualitySpec()
+    controller: ControllerSpec = ControllerSpec()
 
     @property
     def chunk_size(self) -> int:

@@ -4,10 +4,12 @@ A lossy codec (``fp8``, ``int8``, ``int4``) changes the KV that a warm
 request loads, so it can change what the model says. ``flowkv quality
 PIPELINE`` measures that with the real vLLM: a fixed prompt set (Python
 standard-library sources of ``--prompt-tokens`` tokens, each followed by a
-question) is generated greedily with no KV loaded (the reference), stored
-through each codec of the pipeline's ``compress`` stages, and generated
-again so that the whole cached prefix is loaded through that codec. For each
-codec it reports:
+question; files the trained reference model never saw) is generated
+greedily with no KV loaded (the reference), stored through each codec of the
+pipeline's ``compress`` stages, and generated again so that the whole cached
+prefix is loaded through that codec. The model is the trained reference
+model (`flowkv._testing.trained_model`, built locally once) unless
+``--model`` names another. For each codec it reports:
 
 - **agreement**: the fraction of generated tokens (``--max-tokens`` per
   prompt, position by position) equal to the reference's;
@@ -103,7 +105,8 @@ def quality_compress(chunks: Iterator[Chunk], *, ctx: RunContext, codecs: list[s
     Each entry of ``codecs`` is a JSON object ``{"codec": NAME, "params": {...}}``.
     Requests without the tag are stored raw. Used by ``flowkv quality`` to
     measure several codecs in one vLLM; the encoding is `flowkv.payload.encode`,
-    as in the ``compress`` stage.
+    as in the ``compress`` stage, and a ``window`` parameter keeps the last
+    tokens of each stored prefix exact as it does there.
 
     TOML::
 
@@ -116,10 +119,16 @@ def quality_compress(chunks: Iterator[Chunk], *, ctx: RunContext, codecs: list[s
         entry = json.loads(text)
         get_codec(entry["codec"]).resolve_params(**entry.get("params", {}))  # fail on the first run, not per chunk
         plans.append((entry["codec"], entry.get("params", {})))
+    from flowkv.codecs import prefix_window
+    from flowkv.stages.codec import stored_end
+
     for chunk in chunks:
         choice = chunk.request.tags.get(_CODEC_TAG)
         if choice is not None:
             codec, params = plans[int(choice)]
+            if params.get("window"):
+                window = prefix_window(params["window"], chunk.start, chunk.end, stored_end(ctx.services, chunk.request))
+                params = {**params, "window": window}
             chunk.payload = payloads.encode(chunk.kv, codec, **params)
             ctx.record(bytes=len(chunk.payload))
         yield chunk
@@ -143,7 +152,12 @@ def _measurement_pipeline(folder: Path, chunk_size: int, codecs: list[tuple[str,
 
 
 def prompt_set(tokenizer: Any, count: int, prompt_tokens: int) -> list[list[int]]:
-    """The fixed prompts: standard-library source documents, each followed by one of the demo's questions."""
+    """The fixed prompts: standard-library source documents, each followed by one of the demo's questions.
+
+    The documents are the first files by name that are long enough, as the demo takes them; the
+    trained reference model holds those files out of its training (the 32 of the default prompt
+    set, see `flowkv._testing.trained_model.held_out_sources`).
+    """
     from flowkv.integration.harness import QUESTIONS, documents
 
     questions = [tokenizer.encode(q, add_special_tokens=False) for q in QUESTIONS]
@@ -164,14 +178,25 @@ def _compare(reference: Any, candidate: Any) -> dict[str, Any]:
         if position >= len(new_tokens) or new_tokens[position] != token:
             break  # past here the two generations have different contexts
     first_diff = next((i for i, (a, b) in enumerate(zip(ref_tokens, new_tokens)) if a != b), None)
-    return {"equal": equal, "total": len(ref_tokens), "logprob_diffs": diffs, "first_difference": first_diff}
+    return {"equal": equal, "total": len(ref_tokens), "logprob_diffs": diffs, "first_difference": first_diff,
+            "flip_margin": None if first_diff is None else _margin(reference.logprobs[first_diff])}
+
+
+def _margin(logprobs: Any) -> float | None:
+    """How far the reference's top token was ahead of its runner-up (nats) at one position.
+
+    A lossy codec that changes a greedy token at a position whose margin is
+    below its own ``max |dlogprob|`` flipped a near-tie, as any rounding can.
+    """
+    top = sorted((lp.logprob for lp in logprobs.values()), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else None
 
 
 def measure(
     pipeline: Any,
     *,
     model: Path,
-    prompts: int = 8,
+    prompts: int = 32,
     prompt_tokens: int = 1024,
     max_tokens: int = 16,
     logprobs: int = 5,
@@ -250,6 +275,8 @@ def measure(
                     "max_logprob_diff": max(diffs) if diffs else None,
                     "prompts_identical": sum(c["equal"] == c["total"] for c in compared),
                     "first_differences": [c["first_difference"] for c in compared],
+                    # The reference's top-1 minus top-2 logprob where each prompt first differs.
+                    "flip_margins": [c["flip_margin"] for c in compared],
                     # Against the control (exact KV loaded the same way): the codec's own effect.
                     "agreement_vs_control": sum(c["equal"] for c in against) / total,
                     "max_logprob_diff_vs_control": max(control_diffs) if control_diffs else None,
@@ -294,12 +321,13 @@ def add_commands(subparsers: Any) -> None:
     )
     parser.add_argument("pipeline", help="built-in pipeline name or TOML path")
     parser.add_argument("--json", action="store_true", help="print the quality record as JSON")
-    parser.add_argument("--prompts", type=int, default=8, help="prompts in the fixed set (default 8)")
+    parser.add_argument("--prompts", type=int, default=32, help="prompts in the fixed set (default 32)")
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="document tokens per prompt (default 1024)")
     parser.add_argument("--max-tokens", type=int, default=16, help="greedy tokens generated per prompt (default 16)")
-    parser.add_argument("--model", help="model folder (default: the demo model, built locally once)")
+    parser.add_argument("--model", help="model folder (default: the trained reference model, built locally once)")
     parser.add_argument("--codecs", help="measure these codecs instead of the pipeline's: NAME[:KEY=VALUE...],...")
-    parser.add_argument("--out", help="write the quality record here (default: the pipeline's [quality] record, if set)")
+    parser.add_argument("--out", help="write the quality record here (default: the pipeline's [quality] record, if set "
+                        "and the pipeline is not a built-in one)")
     parser.set_defaults(func=run)
 
 
@@ -327,15 +355,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"flowkv quality: {model} is not a model folder (no config.json)", file=sys.stderr)
             return 2
     else:
-        from flowkv.integration.harness import DEMO_MODEL, default_model_dir
-        from flowkv.testing import tiny_model
+        from flowkv._testing.trained_model import trained_model
 
-        model = tiny_model(default_model_dir(), **DEMO_MODEL)
+        model = trained_model()
     print(f"flowkv quality: {args.prompts} prompts on {model} through pipeline '{pipeline.name}'...", file=sys.stderr)
     record = measure(pipeline, model=model, prompts=args.prompts, prompt_tokens=args.prompt_tokens,
                      max_tokens=args.max_tokens, codecs=codecs)
     out = args.out
-    if out is None and pipeline.quality.record:
+    if out is None and pipeline.quality.record and not _is_builtin(pipeline):
+        # A built-in pipeline's record ships with flowkv (measured on its reference model):
+        # a measurement of another model goes where --out says, never over it.
         out = str(record_path(pipeline.quality.record, pipeline.source))
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -350,12 +379,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_builtin(pipeline: Any) -> bool:
+    from flowkv.pipeline import builtin_pipelines
+
+    return Path(pipeline.source).resolve() in {path.resolve() for path in builtin_pipelines().values()}
+
+
+def _max_flip_margin(row: dict[str, Any]) -> float | None:
+    margins = [m for m in row.get("flip_margins") or [] if m is not None]  # records before it lack the field
+    return max(margins) if margins else None
+
+
 def _print(record: dict[str, Any], out: str | None, minimum: float | None) -> None:
     prompts = record["prompts"]
     print(f"model {record['model']}; {prompts['count']} prompts of {prompts['document_tokens']} document tokens, "
           f"{prompts['max_tokens']} greedy tokens each; reference: {record['reference']}")
     header = (f"{'codec':<46} {'agreement':>9} {'max |dlogprob|':>14} {'identical':>9} "
-              f"{'vs none: agree':>14} {'max |dlogprob|':>14}")
+              f"{'vs none: agree':>14} {'max |dlogprob|':>14} {'flip margin':>11}")
     print(header)
     print("-" * len(header))
 
@@ -365,9 +405,11 @@ def _print(record: dict[str, Any], out: str | None, minimum: float | None) -> No
     for row in record["codecs"]:
         print(f"{_describe(row['codec'], row['params']):<46} {row['agreement']:>9.1%} "
               f"{diff(row['max_logprob_diff']):>14} {row['prompts_identical']:>5}/{prompts['count']:<3} "
-              f"{row['agreement_vs_control']:>14.1%} {diff(row['max_logprob_diff_vs_control']):>14}")
+              f"{row['agreement_vs_control']:>14.1%} {diff(row['max_logprob_diff_vs_control']):>14} "
+              f"{diff(_max_flip_margin(row)):>11}")
     print("(agreement: greedy tokens equal to the reference, which loaded no KV; 'vs none': against the "
-          "none control, which loaded exact KV the same way, so only the codec differs)")
+          "none control, which loaded exact KV the same way, so only the codec differs; flip margin: the "
+          "largest lead of the reference's token over its runner-up, in nats, where a prompt first differs)")
     if minimum is not None:
         verdict = all(r["lossless"] or r["agreement"] >= minimum for r in record["codecs"])
         print(f"[quality] min_agreement {minimum:.1%}: {'passes' if verdict else 'FAILS'}")

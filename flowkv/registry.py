@@ -47,6 +47,7 @@ BUILTIN_TIERS: dict[str, str] = {
     "memory": "flowkv.tiers.memory:MemoryTier",
     "disk": "flowkv.tiers.disk:DiskTier",
     "redis": "flowkv.tiers.redis:RedisTier",
+    "server": "flowkv.tiers.server:ServerTier",
 }
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 
 from flowkv import payload as payloads
+from flowkv.codecs import prefix_window
 from flowkv.items import Chunk, RunContext
 from flowkv.registry import stage
 
@@ -21,6 +22,9 @@ class CompressConfig:
     acceleration: int | None = None  # lz4, lz4-shuffle
     group_size: int | None = None  # fp8, int8, int4: channels per scale group (0 = per token/head)
     key_group_size: int | None = None  # int8, int4: tokens per key group (0 = the whole chunk)
+    scale_dtype: str | None = None  # int8, int4: "fp32" or "fp16" scales and zero points
+    scaling: str | None = None  # fp8: "token" or "channel" (keys per channel)
+    window: int | None = None  # fp8, int8, int4: the last N tokens of each stored prefix stay exact
 
     def params(self) -> dict[str, Any]:
         return {k: v for k, v in attrs.asdict(self).items() if k != "codec" and v is not None}
@@ -42,13 +46,18 @@ def compress(
     acceleration: int | None = None,
     group_size: int | None = None,
     key_group_size: int | None = None,
+    scale_dtype: str | None = None,
+    scaling: str | None = None,
+    window: int | None = None,
 ) -> Iterator[Chunk]:
     """Encode each chunk's KV with ``codec`` (a header with a checksum, then the body).
 
     Codecs: ``none`` (the chunk stays raw; byte tiers get a plain payload),
     ``lz4``, ``lz4-shuffle`` (``acceleration``), ``zstd``, ``zstd-shuffle``
-    (``level``), and the lossy ``fp8``, ``int8``, ``int4`` (``group_size``,
-    ``key_group_size``). Tiers that a later ``put`` writes get the encoded
+    (``level``), and the lossy ``fp8`` (``group_size``, ``scaling``),
+    ``int8``, ``int4`` (``group_size``, ``key_group_size``, ``scale_dtype``);
+    with a lossy codec, ``window = N`` keeps the last N tokens of each stored
+    prefix exact (`flowkv.codecs.prefix_window`). Tiers that a later ``put`` writes get the encoded
     payload; ``flowkv bench codecs`` measures them on real KV.
 
     TOML::
@@ -59,12 +68,22 @@ def compress(
         level = 1
     """
     params = CompressConfig(codec=codec, level=level, acceleration=acceleration, group_size=group_size,
-                            key_group_size=key_group_size).params()
+                            key_group_size=key_group_size, scale_dtype=scale_dtype, scaling=scaling,
+                            window=window).params()
     for chunk in chunks:
         if codec != "none":
+            if window:
+                params["window"] = prefix_window(window, chunk.start, chunk.end, stored_end(ctx.services, chunk.request))
             chunk.payload = payloads.encode(chunk.kv, codec, **params)
             ctx.record(bytes=len(chunk.payload))
         yield chunk
+
+
+def stored_end(services: Any, request: Any) -> int:
+    """Where the prefix a store run keeps ends: its last chunk's end (``tokenize``'s chunks)."""
+    if services.save_partial_chunks:
+        return request.num_tokens
+    return request.num_tokens - request.num_tokens % services.chunk_size
 
 
 @stage("decompress", kinds=("retrieve",), needs={"payload"}, gives={"kv"})

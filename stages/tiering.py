@@ -34,17 +34,28 @@ def allocate(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
     services = ctx.services
     storage = services.storage
     geometry = services.geometry
-    for chunk in chunks:
-        if chunk.skip or storage.contains(chunk.key_str):
-            continue
-        obj = storage.allocate(geometry.chunk_shape(chunk.num_tokens), geometry.dtype)
+    # One call each for the request's chunks: a node server answers in one round trip.
+    wanted = [chunk for chunk in chunks if not chunk.skip]
+    held = storage.contains_many([chunk.key_str for chunk in wanted]) if wanted else []
+    wanted = [chunk for chunk, present in zip(wanted, held) if not present]
+    if not wanted:
+        return
+    staging = storage.staging
+    objs: list = []
+    ctx.defer(lambda: storage.release_objects([(staging, obj) for obj in objs]))
+    # Each chunk's room is taken when the chunk is pulled (a compressed chunk gives
+    # the rest back before the next is allocated); a node server gives all at once.
+    rooms = storage.allocate_each([geometry.chunk_shape(chunk.num_tokens) for chunk in wanted], geometry.dtype)
+    ctx.defer(rooms.close)  # rooms taken for chunks never pulled go back
+    for chunk in wanted:
+        obj = next(rooms, None)
         if obj is None:
             services.count("store_backpressure_stops")
             ctx.record(stopped="memory full")
             return
-        ctx.defer(obj.ref_down)
+        objs.append(obj)
         chunk.obj = obj
-        ctx.record(bytes=obj.nbytes, tier=storage.staging)
+        ctx.record(bytes=obj.nbytes, tier=staging)
         yield chunk
 
 
@@ -65,18 +76,26 @@ def put(chunks: Iterator[Chunk], *, ctx: RunContext, tiers: list[str] | None = N
     services = ctx.services
     storage = services.storage
     names = tiers or storage.order
-    for chunk in chunks:
-        for name in names:
-            nbytes = storage.put(name, chunk.key_str, obj=chunk.obj, kv=chunk.kv, payload=chunk.payload)
-            if chunk.obj is not None and "codec" in chunk.obj.meta:
-                chunk.kv = None  # memory keeps the encoding in the chunk's own pages: the raw view is gone
+    try:
+        for chunk in chunks:
+            for name in names:
+                # Object tiers commit the run's chunks together when the stage ends (one call each).
+                nbytes = storage.put(name, chunk.key_str, obj=chunk.obj, kv=chunk.kv, payload=chunk.payload,
+                                     later=True)
+                if chunk.obj is not None and "codec" in chunk.obj.meta:
+                    chunk.kv = None  # memory keeps the encoding in the chunk's own pages: the raw view is gone
+                if nbytes:
+                    services.count(f"tier.{name}.written_bytes", nbytes)
+                    ctx.record(bytes=nbytes, tier=name)
+            yield chunk
+            # Downstream stages (a later put for other tiers) are done with this chunk
+            # once the yield returns; a payload kept per chunk until the run ends
+            # would double a store's memory.
+            chunk.payload = None
+    finally:
+        # Every chunk that reached this stage is whole: commit them however the run ends.
+        for name, nbytes in storage.commit().items():
             services.count(f"tier.{name}.written_bytes", nbytes)
-            ctx.record(bytes=nbytes, tier=name)
-        yield chunk
-        # Downstream stages (a later put for other tiers) are done with this chunk
-        # once the yield returns; a payload kept per chunk until the run ends
-        # would double a store's memory.
-        chunk.payload = None
 
 
 @stage("lookup", kinds=("retrieve", "lookup"), needs={"key"}, gives={"hit"})
@@ -108,7 +127,10 @@ def lookup(
     if not pending:
         return
     request = pending[0].request
-    found = storage.find([c.key_str for c in pending], skip=[c.skip for c in pending], tiers=tiers)
+    owner = request.lookup_id
+    pin = owner if ctx.kind == "lookup" and request.pin and owner is not None else None
+    # Lookup and pin in one call per tier (one round trip to a node server).
+    found = storage.find([c.key_str for c in pending], skip=[c.skip for c in pending], tiers=tiers, pin=pin)
     hit: list[Chunk] = []
     for chunk, tier_name in zip(pending, found):
         if tier_name is None and not chunk.skip:
@@ -117,9 +139,6 @@ def lookup(
         hit.append(chunk)
     request.hit_tokens = hit[-1].end if hit else 0
     if ctx.kind == "lookup":
-        owner = request.lookup_id
-        if request.pin and owner is not None:
-            storage.pin([(c.key_str, c.tier) for c in hit], owner)
         below = [c for c in hit if c.tier is not None and not storage.holds_objects(c.tier)]
         if prefetch and below:
             dtype = services.geometry.dtype
@@ -146,21 +165,30 @@ def get(chunks: Iterator[Chunk], *, ctx: RunContext, promote: bool = True) -> It
         promote = true
     """
     services = ctx.services
-    read = services.storage.read
+    storage = services.storage
     chunk_shape = services.geometry.chunk_shape
     dtype = services.geometry.dtype
-    for chunk in chunks:
+    pending = list(chunks)
+    wanted = [chunk for chunk in pending if not chunk.skip]
+    # Object tiers are asked once for every chunk (one round trip to a node server);
+    # byte tiers chunk by chunk as they are pulled.
+    reads = storage.read_many([Entry(c.key_str, c.tier, chunk_shape(c.num_tokens), dtype) for c in wanted],
+                              promote=promote)
+    held: list[tuple[str, object]] = []
+    ctx.defer(lambda: storage.release_objects(held))
+    ctx.defer(reads.close)  # releases what was read for chunks never pulled
+    for chunk in pending:
         if chunk.skip:
             yield chunk
             continue
-        found = read(Entry(chunk.key_str, chunk.tier, chunk_shape(chunk.num_tokens), dtype), promote=promote)
+        found = next(reads)
         if found is None:
             chunk.request.fail_from(chunk)
             services.count("retrieve_missing_chunks")
             ctx.record(stopped=f"chunk {chunk.index} gone from tier {chunk.tier}")
             return
         if found.obj is not None:
-            ctx.defer(found.obj.ref_down)
+            held.append((found.tier, found.obj))
             chunk.obj = found.obj
         chunk.tier = found.tier
         if found.kv is not None:

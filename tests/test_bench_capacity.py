@@ -8,6 +8,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from flowkv.bench import BENCHMARKS
 from flowkv.bench import capacity as bench
 from flowkv.pipeline import load_pipeline
@@ -51,6 +53,7 @@ def test_bad_options_are_refused(capsys):
     assert "did you mean 'level'" in capsys.readouterr().err
 
 
+@pytest.mark.vllm
 def test_int8_holds_more_documents_than_raw_in_the_same_disk(capsys):
     """Two vLLM runs of the demo model (raw, int8) on 4 documents of 512 tokens and a 5 MiB disk:
     raw documents take 2 MiB each, so at most 2 fit; int8 ones about 1.1 MiB, so all 4 do, and

@@ -8,6 +8,8 @@ import re
 import pytest
 import torch
 
+from codec_reference import check_against_reference, reference_fp8, reference_int
+
 from flowkv import codecs
 from flowkv.codecs import CodecDataError, UnknownCodecError, codec_names, get_codec, register_codec
 
@@ -287,3 +289,228 @@ def test_bench_reports_every_codec_against_none(capsys, tmp_path):
     assert "expected shape" in capsys.readouterr().err
     assert _bench(small + ["--codecs", "zstd:levle=3"]) == 2
     assert "did you mean 'level'" in capsys.readouterr().err
+
+
+# -- against an independent float64 reference (tests/codec_reference.py) -------------------------
+
+INT_CASES = [
+    {},
+    {"group_size": 8},
+    {"key_group_size": 8},
+    {"window": 5},
+    {"window": 5, "key_group_size": 8},  # 27 quantized tokens do not fill 8s: 3 more join the window
+    {"scale_dtype": "fp16"},
+    {"group_size": 16, "key_group_size": 16, "window": 16, "scale_dtype": "fp16"},
+]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("params", INT_CASES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()) or "default")
+@pytest.mark.parametrize("name,bits", [("int8", 8), ("int4", 4)])
+def test_int_codecs_match_a_float64_reference(name, bits, params, dtype):
+    kv = kv_like((2, 2, 32, 2, 32), dtype, seed=bits)
+    kv[:, 0] += 3.0  # keys off zero: the zero point matters
+    codec, resolved, decoded, _ = roundtrip(name, kv, **params)
+    reference, step = reference_int(kv, bits, **params)
+    check_against_reference(kv, decoded, reference, step)
+    # The codec's own bound holds too, and is no looser than the reference's half step needs.
+    bound = codec.max_error(kv, resolved)
+    assert bool(((decoded.double() - kv.double()).abs() <= bound).all())
+    assert bool((bound <= step / 2 * 1.01 + 2.0**-7 * (kv.double().abs() + step) + 1e-30).all())
+
+
+FP8_CASES = [{}, {"group_size": 16}, {"scaling": "channel"}, {"window": 7}, {"scaling": "channel", "window": 3}]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("params", FP8_CASES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()) or "default")
+def test_fp8_matches_a_float64_reference(params, dtype):
+    kv = kv_like((2, 2, 24, 2, 16), dtype, seed=3)
+    kv[0, 1, 5] *= 1e-6  # a tiny token: e4m3 subnormals
+    codec, resolved, decoded, _ = roundtrip("fp8", kv, **params)
+    reference, quantum = reference_fp8(kv, **params)
+    check_against_reference(kv, decoded, reference, quantum)
+    assert bool(((decoded.double() - kv.double()).abs() <= codec.max_error(kv, resolved)).all())
+
+
+# -- strided input ------------------------------------------------------------------------------
+
+
+def permuted_copy(kv: torch.Tensor) -> torch.Tensor:
+    """`kv`'s values in a tensor whose memory runs (layers, tokens, kv, heads, head_size): a
+    non-contiguous view of the chunk shape, as a chunk buffer laid out for long copies hands it."""
+    storage = kv.permute(0, 2, 1, 3, 4).contiguous()
+    view = storage.permute(0, 2, 1, 3, 4)
+    assert not view.is_contiguous() and torch.equal(view, kv)
+    return view
+
+
+@pytest.mark.parametrize("name,params", [
+    ("none", {}), ("lz4", {}), ("zstd-shuffle", {}), ("fp8", {}), ("fp8", {"scaling": "channel", "window": 4}),
+    ("int8", {}), ("int4", {"group_size": 8, "key_group_size": 8, "window": 6, "scale_dtype": "fp16"}),
+])
+def test_codecs_encode_non_contiguous_chunks_like_contiguous_ones(name, params):
+    kv = kv_like((2, 2, 24, 2, 16), torch.bfloat16, seed=5)
+    codec = get_codec(name)
+    resolved = codec.resolve_params(**params)
+    strided = permuted_copy(kv)
+    body = bytes(memoryview(codec.encode(strided, resolved)).cast("B"))
+    assert body == bytes(memoryview(codec.encode(kv, resolved)).cast("B"))
+    decoded = codec.decode(memoryview(body), tuple(kv.shape), kv.dtype, resolved)
+    if codec.lossless:
+        assert torch.equal(bits(decoded), bits(kv))
+    else:
+        assert torch.equal(codec.max_error(strided, resolved), codec.max_error(kv, resolved))
+    # Through the payload format too, decoding into a strided destination.
+    from flowkv import payload
+
+    blob = payload.encode(strided, name, **params)
+    out = permuted_copy(torch.zeros_like(kv))
+    payload.decode_into(blob, out)
+    assert torch.equal(bits(out), bits(decoded))
+
+
+# -- windows, scale dtypes and the header --------------------------------------------------------
+
+
+def test_window_keeps_the_last_tokens_exact_and_costs_their_raw_bytes():
+    layers, kv_n, tokens, heads, head_size = shape = (2, 2, 64, 2, 16)
+    kv = kv_like(shape, torch.bfloat16)
+    _, _, plain, plain_body = roundtrip("int4", kv)
+    codec, params, windowed, body = roundtrip("int4", kv, window=16)
+    assert torch.equal(windowed[:, :, 48:], kv[:, :, 48:])
+    assert not torch.equal(windowed[:, :, :48], kv[:, :, :48])
+    assert bool((codec.max_error(kv, params)[:, :, 48:] == 0).all())
+    codes = layers * kv_n * 48 * heads * head_size // 2
+    stats = 2 * 4 * (layers * heads * head_size + layers * 48 * heads)
+    raw_window = layers * kv_n * 16 * heads * head_size * 2
+    assert len(memoryview(body).cast("B")) == stats + raw_window + codes
+    # A window as long as the chunk stores it raw, plus nothing else.
+    _, _, whole, body = roundtrip("int8", kv, window=100)
+    assert torch.equal(whole, kv) and len(memoryview(body).cast("B")) == kv.numel() * 2
+
+
+def test_fp16_scales_halve_the_statistics_and_refuse_what_fp16_cannot_hold():
+    shape = (2, 2, 32, 2, 16)
+    kv = kv_like(shape, torch.float32)
+    _, _, _, fp32_body = roundtrip("int4", kv)
+    _, _, _, fp16_body = roundtrip("int4", kv, scale_dtype="fp16")
+    stat_count = 2 * (2 * 2 * 16 + 2 * 32 * 2)
+    assert len(memoryview(fp32_body).cast("B")) - len(memoryview(fp16_body).cast("B")) == 2 * stat_count
+    huge = kv.clone()
+    huge[0, 0, 0, 0, 0] = -1e5  # a zero point below fp16's -65504
+    with pytest.raises(ValueError, match="scale_dtype 'fp16' cannot hold"):
+        get_codec("int8").encode(huge, get_codec("int8").resolve_params(scale_dtype="fp16"))
+
+
+def test_new_parameters_stay_out_of_the_header_at_their_defaults():
+    # Payloads and quality records written before window, scale_dtype and scaling existed
+    # name the same parameters, and a payload without them decodes with the old layout.
+    from flowkv import payload
+
+    int8 = get_codec("int8")
+    assert int8.params_to_header(int8.resolve_params()) == {"group_size": 0, "key_group_size": 0}
+    assert int8.params_to_header(int8.resolve_params(window=8, scale_dtype="fp16")) == {
+        "group_size": 0, "key_group_size": 0, "window": 8, "scale_dtype": "fp16"}
+    fp8 = get_codec("fp8")
+    assert fp8.params_to_header(fp8.resolve_params(window=0, scaling="token")) == {"group_size": 0}
+    kv = kv_like((1, 2, 16, 2, 8), torch.bfloat16)
+    blob = payload.encode(kv, "int8", window=4)
+    assert dict(payload.read_header(blob).codec_params) == {"group_size": 0, "key_group_size": 0, "window": 4}
+    assert torch.equal(payload.decode(blob)[:, :, 12:], kv[:, :, 12:])
+    with pytest.raises(CodecDataError, match="window"):
+        get_codec("zstd").params_from_header({"level": 3, "window": 4})
+
+
+@pytest.mark.parametrize("name", LOSSY)
+def test_lossy_window_rejects_non_finite_values_too(name):
+    kv = torch.zeros(1, 2, 8, 1, 8)
+    kv[0, 1, 7, 0, 0] = float("nan")
+    codec = get_codec(name)
+    with pytest.raises(ValueError, match="non-finite"):
+        codec.encode(kv, codec.resolve_params(window=2))
+
+
+def test_prefix_window_gives_each_chunk_its_share():
+    from flowkv.codecs import prefix_window
+
+    assert [prefix_window(64, s, s + 256, 1024) for s in (0, 256, 512, 768)] == [0, 0, 0, 64]
+    assert [prefix_window(300, s, s + 256, 1024) for s in (0, 256, 512, 768)] == [0, 0, 44, 256]
+    assert prefix_window(64, 0, 20, 20) == 20 and prefix_window(0, 0, 256, 256) == 0
+
+
+def test_pipeline_files_validate_every_new_codec_option(tmp_path):
+    from flowkv.pipeline import PipelineError, dumps_pipeline, load_pipeline
+
+    # (the compress stage's settings, the error's line from the stage's table, what it says)
+    stages = [
+        ({"codec": "int4", "window": -1}, 0, "stage 'compress': codec 'int4': 'window' must be >= 0"),
+        ({"codec": "int8", "scale_dtype": "fp18"}, 0,
+         "codec 'int8': 'scale_dtype' must be one of 'fp32', 'fp16', got 'fp18' (did you mean 'fp16'?)"),
+        ({"codec": "fp8", "scaling": "chanel"}, 0,
+         "codec 'fp8': 'scaling' must be one of 'token', 'channel', got 'chanel' (did you mean 'channel'?)"),
+        ({"codec": "zstd", "window": 64}, 0, "stage 'compress': codec 'zstd' has no parameter 'window'"),
+        ({"codec": "fp8", "scale_dtype": "fp16"}, 0, "stage 'compress': codec 'fp8' has no parameter 'scale_dtype'"),
+        ({"codec": "int8", "window": "64"}, 3, "stage 'compress' window: expected int, got str '64'"),
+    ]
+
+    def text(compress_stages):
+        return dumps_pipeline(pipeline={"name": "lossy"}, tiers={"memory": {"kind": "memory", "capacity": "64MiB"}},
+                              store=["tokenize", "chunk-hash", "allocate", "gather"]
+                              + [("compress", settings) for settings in compress_stages] + ["put"],
+                              retrieve=["tokenize", "chunk-hash", "lookup", "get", "decompress", "scatter"])
+
+    path = tmp_path / "lossy.toml"
+    path.write_text(text([settings for settings, _, _ in stages]))
+    with pytest.raises(PipelineError) as caught:
+        load_pipeline(path)
+    found = caught.value.diagnostics
+    lines = path.read_text().splitlines()
+    tables = [n + 1 for n, line in enumerate(lines) if line == "[[store.stages]]"][4:]
+    assert len(found) == len(stages)
+    for diag, table, (_, offset, message) in zip(found, tables, stages):
+        assert (diag.file, diag.line, diag.col) == (str(path), table + offset, 1), str(diag)
+        assert message in str(diag), str(diag)
+
+    path.write_text(text([{"codec": "int4", "window": 64, "scale_dtype": "fp16"}]))
+    settings = load_pipeline(path).store[4].settings()
+    assert (settings["window"], settings["scale_dtype"]) == (64, "fp16")
+
+
+def test_compress_stage_keeps_the_last_window_tokens_of_each_stored_prefix_exact(tmp_path):
+    """Through the engine: 600 tokens store two 256-token chunks (no partial chunks); with
+    window = 64 the stored prefix's last 64 tokens come back bit-exact, the rest int4."""
+    from flowkv import CacheEngine
+    from flowkv._testing.paged import make_paged_kv, random_slot_mapping
+    from flowkv.kernels import KVGeometry, gather
+    from flowkv.pipeline import dumps_pipeline
+
+    path = tmp_path / "windowed.toml"
+    path.write_text(dumps_pipeline(
+        pipeline={"name": "windowed", "chunk_size": 256},
+        tiers={"memory": {"kind": "memory", "capacity": "16MiB"}},
+        store=["tokenize", "chunk-hash", "allocate", "gather",
+               ("compress", {"codec": "int4", "window": 64, "key_group_size": 32}), "put"],
+        retrieve=["tokenize", "chunk-hash", "lookup", "get", "decompress", "scatter"],
+    ))
+    geometry = KVGeometry("cpu", num_layers=2, num_kv_heads=2, head_size=16, block_size=16, dtype=torch.bfloat16)
+    engine = CacheEngine.from_pipeline(str(path), geometry=geometry, model_name="tiny")
+    try:
+        tokens = torch.randint(0, 32000, (600,), generator=torch.Generator().manual_seed(0))
+        src = make_paged_kv(geometry, 64, seed=1)
+        slots = random_slot_mapping(600, geometry, 64, seed=2)
+        assert engine.store(tokens, kv_caches=src, slot_mapping=slots) == 512
+        dst = make_paged_kv(geometry, 64, seed=0, fill=False)
+        mask = engine.retrieve(tokens, kv_caches=dst, slot_mapping=slots)
+        assert int(mask.sum()) == 512
+
+        def region(kv_caches):
+            return gather(kv_caches, geometry, slots[:512], torch.empty(geometry.chunk_shape(512), dtype=geometry.dtype))
+
+        exact, loaded = region(src), region(dst)
+        assert torch.equal(loaded[:, :, 448:].view(torch.int16), exact[:, :, 448:].view(torch.int16))
+        assert not torch.equal(loaded[:, :, :448], exact[:, :, :448])
+        reference, step = reference_int(exact[:, :, 256:], 4, key_group_size=32, window=64)
+        check_against_reference(exact[:, :, 256:], loaded[:, :, 256:], reference, step)
+    finally:
+        engine.close()

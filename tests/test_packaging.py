@@ -53,6 +53,9 @@ def test_wheel_contents(wheel):
     for toml in (ROOT / "pipelines").glob("*.toml"):
         assert f"flowkv/pipelines/{toml.name}" in names
     assert "flowkv/pipelines/local-cpu.toml" in names
+    for record in (ROOT / "pipelines" / "quality").glob("*.json"):  # the shipped pipelines' quality records
+        assert f"flowkv/pipelines/quality/{record.name}" in names
+    assert "flowkv/pipelines/quality/cpu-disk-int8.json" in names
     assert "flowkv/cli.py" in names and "flowkv/bench/runner.py" in names
     # Every sub-package of flowkv/ ships (a package missing from pyproject's list would not).
     for init in (ROOT / "flowkv").rglob("__init__.py"):

@@ -386,7 +386,7 @@ ONE_MISTAKE = [
         path = "/tmp/flowkv-never-created"
         capacity = "1GiB"
         """,
-        "graph", 1, "exactly one tier of kind 'memory' (found 0)",
+        "graph", 1, "declare a tier that holds objects, of kind 'memory' or 'server' (found none)",
     ),
     mistake(
         "two-memory-tiers-point-at-the-second",

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from codec_reference import check_against_reference, reference_int
 
 from flowkv.pipeline import PipelineError, dumps_pipeline, load_pipeline
 
@@ -42,6 +43,8 @@ def record(entries: list[tuple[str, dict, float]], model: str = "tiny") -> dict:
 
 
 INT8_PARAMS = {"group_size": 0, "key_group_size": 0}
+# What the shipped cpu-disk-int8 pipeline sets: int8 with fp16 scales and zero points.
+SHIPPED_INT8_PARAMS = {"group_size": 0, "key_group_size": 0, "scale_dtype": "fp16"}
 
 
 def write(folder: Path, text: str, rec: dict | None = None) -> Path:
@@ -143,9 +146,40 @@ def test_shipped_tiered_pipeline_is_raw_in_memory_and_int8_on_disk():
     from flowkv.quality_gate import codec_settings
 
     pipeline = load_pipeline("cpu-disk-int8")
-    assert codec_settings(pipeline.store) == [("int8", INT8_PARAMS)]
+    assert codec_settings(pipeline.store) == [("int8", SHIPPED_INT8_PARAMS)]
     puts = [s.settings()["tiers"] for s in pipeline.store if s.name == "put"]
     assert puts == [["memory"], ["disk"]]
+
+
+def test_shipped_int8_pipeline_is_gated_by_a_record_of_the_trained_reference_model_only(tmp_path):
+    """cpu-disk-int8 loads (its gate passes on the shipped record), serving the trained reference
+    model is allowed, and serving any other model folder is refused: the random-weight demo model,
+    or a copy of the reference model's config with another recipe digest."""
+    from flowkv._testing.trained_model import trained_model
+    from flowkv.quality import check_served_model, load_record, record_path
+
+    pipeline = load_pipeline("cpu-disk-int8")
+    assert pipeline.quality.min_agreement == 0.90
+    record = load_record(record_path(pipeline.quality.record, pipeline.source))
+    [entry] = [e for e in record["codecs"] if e["codec"] == "int8"]
+    assert entry["params"] == SHIPPED_INT8_PARAMS and entry["agreement"] >= pipeline.quality.min_agreement
+    assert record["prompts"]["count"] >= 32 and entry["tokens_compared"] == 16 * record["prompts"]["count"]
+    # Where int8 changed a greedy token, the reference's top two were a near-tie (within int8's own
+    # largest logprob change), not a token the model was sure of.
+    assert all(m <= entry["max_logprob_diff"] for m in entry["flip_margins"] if m is not None)
+    reference = trained_model(progress=False)
+    assert check_served_model(pipeline, str(reference)) is None
+    from vllm_helpers import tiny_model_dir
+
+    with pytest.raises(ValueError, match="config.json differs"):
+        check_served_model(pipeline, str(tiny_model_dir()))
+    lookalike = tmp_path / "lookalike"
+    lookalike.mkdir()
+    config = json.loads((reference / "config.json").read_text())
+    config["flowkv_recipe_sha256"] = "0" * 64
+    (lookalike / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    with pytest.raises(ValueError, match="config.json differs"):
+        check_served_model(pipeline, str(lookalike))
 
 
 # -- the real measurements --------------------------------------------------------------
@@ -160,6 +194,7 @@ def _quality(argv: list[str]) -> int:
     return args.func(args)
 
 
+@pytest.mark.vllm
 def test_quality_run_with_vllm_measures_int4_below_int8_and_the_gate_uses_it(tmp_path, capsys):
     """One vLLM on the tiny test model: int8 stays with the uncompressed model, int4 drifts,
     and the record written by the run lets the pipeline load at one minimum and not another."""
@@ -185,15 +220,42 @@ def test_quality_run_with_vllm_measures_int4_below_int8_and_the_gate_uses_it(tmp
     assert rows["int8"]["agreement"] >= 0.9
     worst = min(rows["int8"]["agreement"], rows["int4"]["agreement"])
     assert status == (0 if worst >= 0.5 else 1)
+    for row in rows.values():  # a flip margin where, and only where, a prompt's generation differs
+        assert [m is None for m in row["flip_margins"]] == [d is None for d in row["first_differences"]]
+        assert all(m >= 0 for m in row["flip_margins"] if m is not None)
 
     # The gate reads what was measured: a minimum above int4's figure refuses the pipeline.
     text = path.read_text()
+    assert worst < 1.0  # int4 changes some greedy token of the tiny model, so a stricter gate has a figure to refuse
     strict = min(1.0, worst + 0.01)
     path.write_text(text.replace("min_agreement = 0.5", f"min_agreement = {strict}"))
-    if worst < 1.0:
-        assert "below min_agreement" in gate_error(path)
+    assert "below min_agreement" in gate_error(path)
     path.write_text(text.replace("min_agreement = 0.5", f"min_agreement = {worst}"))
     assert load_pipeline(path).quality.min_agreement == worst
+
+
+def test_compare_counts_equal_tokens_and_the_reference_margin_where_a_generation_first_differs():
+    """The figures of one prompt, on generations written by hand: logprobs as vLLM gives them
+    (token -> object with .logprob, the top ones and the chosen one)."""
+    from types import SimpleNamespace
+
+    from flowkv.quality import _compare
+
+    def output(tokens, logprobs):
+        return SimpleNamespace(token_ids=tokens, logprobs=[
+            {token: SimpleNamespace(logprob=value) for token, value in position.items()} for position in logprobs])
+
+    reference = output([1, 2, 3, 4], [{1: -0.1, 5: -2.0}, {2: -0.5, 7: -0.75, 8: -3.0}, {3: -0.1, 9: -1.0},
+                                      {4: -0.2, 9: -2.0}])
+    flipped = output([1, 7, 3, 9], [{1: -0.125, 5: -2.0}, {7: -0.5, 2: -0.625}, {3: -0.1}, {9: -0.2}])
+    result = _compare(reference, flipped)
+    assert result["equal"] == 2 and result["total"] == 4 and result["first_difference"] == 1
+    assert result["flip_margin"] == 0.25  # token 2 led token 7 by 0.25 nats in the reference
+    # |dlogprob| of the reference's token, up to and including the first differing position
+    assert result["logprob_diffs"] == pytest.approx([0.025, 0.125])
+    same = _compare(reference, reference)
+    assert same["equal"] == 4 and same["first_difference"] is None and same["flip_margin"] is None
+    assert same["logprob_diffs"] == [0.0] * 4
 
 
 def _demo_model_dir() -> Path:
@@ -221,6 +283,30 @@ def test_bench_codecs_measures_the_demo_models_kv(capsys):
     [gain] = report["shuffle"]
     assert gain["plain"] == "lz4" and gain["size_gain"] == pytest.approx(
         rows["lz4"]["payload_bytes"] / rows["lz4-shuffle"]["payload_bytes"])
+
+
+def test_bench_codecs_measures_the_trained_models_kv_with_windows_per_document(capsys):
+    """--model trained: the trained reference model's KV for held-out text; a window keeps each
+    document's last tokens raw, so it costs their bytes once per document, not once per chunk."""
+    from flowkv.bench import codecs as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--json", "--repeats", "1", "--model", "trained", "--documents", "2",
+                              "--doc-tokens", "384", "--tokens", "128", "--codecs", "int4,int4:window=64"])
+    assert bench.run(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["source"].startswith("trained model KV") and "held-out" in report["source"]
+    assert report["chunks"] == 6 and report["shape"] == [4, 2, 128, 2, 64]
+    rows = {row["codec"]: row for row in report["codecs"]}
+    # Per document, in its last chunk only: 64 tokens x 4 layers x (K, V) x 2 heads x 64 channels in
+    # bf16 instead of int4 codes, no value statistics (fp32 minimum and scale per token and head) for
+    # them, and ',"window":64' in that payload's header.
+    window_bytes = 64 * 4 * 2 * 2 * 64 * (2 - 0.5)
+    value_stats = 64 * 4 * 2 * 8
+    extra = rows["int4 window=64"]["payload_bytes"] - rows["int4"]["payload_bytes"]
+    assert extra == 2 * (window_bytes - value_stats + len(',"window":64'))
+    assert rows["int4 window=64"]["rel_l2_err"] < rows["int4"]["rel_l2_err"]
 
 
 def test_cpu_disk_int8_serves_exact_kv_from_memory_and_int8_kv_from_disk(tmp_path):
@@ -268,11 +354,14 @@ def test_cpu_disk_int8_serves_exact_kv_from_memory_and_int8_kv_from_disk(tmp_pat
         exact, loaded = region(src), region(dst)
         assert not torch.equal(loaded, exact)  # disk: int8, lossy
         codec = get_codec("int8")
-        params = codec.resolve_params()
+        params = codec.resolve_params(**SHIPPED_INT8_PARAMS)
         for index, chunk in enumerate(exact.split(64, dim=2)):
             bound = codec.max_error(chunk, params)
             error = (loaded.split(64, dim=2)[index].double() - chunk.double()).abs()
             assert bool((error <= bound).all())
+            # and within half a step of an independent float64 int8 quantizer
+            reference, step = reference_int(chunk, 8, scale_dtype="fp16")
+            check_against_reference(chunk, loaded.split(64, dim=2)[index], reference, step)
     finally:
         engine.close()
 

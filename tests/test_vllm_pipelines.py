@@ -131,12 +131,20 @@ def test_quality_record_of_another_model_stops_vllm_at_start(tmp_path, capfd):
     shipped = resolve_source("cpu-disk-int8").read_text(encoding="utf-8")
     gated = tmp_path / "gated.toml"
     quality = '[quality]\nmin_agreement = 0.95\nrecord = "quality.json"\n'
-    gated.write_text(shipped.split("# [quality]")[0] + quality, encoding="utf-8")
+    gated.write_text(shipped.split("\n[quality]\n")[0] + "\n" + quality, encoding="utf-8")
     (tmp_path / "quality.json").write_text(json.dumps({
         "format": 1, "model": "/models/another", "model_config_sha256": "0" * 64,
-        "codecs": [{"codec": "int8", "params": {"group_size": 0, "key_group_size": 0}, "agreement": 0.99}],
+        "codecs": [{"codec": "int8", "params": {"group_size": 0, "key_group_size": 0, "scale_dtype": "fp16"},
+                    "agreement": 0.99}],
     }), encoding="utf-8")
     with pytest.raises(RuntimeError):
         make_llm({"pipeline": str(gated), "tiers.disk.path": str(tmp_path / "disk")})
     logs = capfd.readouterr().err
     assert f"[quality] record {tmp_path / 'quality.json'} measured model /models/another, but vLLM serves" in logs
+
+    # As shipped, its record measured flowkv's trained reference model: the tiny model needs its own.
+    with pytest.raises(RuntimeError):
+        make_llm({"pipeline": "cpu-disk-int8", "tiers.disk.path": str(tmp_path / "disk")})
+    logs = capfd.readouterr().err
+    assert "quality/cpu-disk-int8.json measured model " in logs and "trained-llama-" in logs
+    assert "but vLLM serves" in logs and "config.json differs" in logs

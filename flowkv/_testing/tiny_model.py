@@ -26,6 +26,7 @@ import os
 import shutil
 import sysconfig
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 # Bump when the recipe changes, so folders built by an older recipe are rebuilt.
@@ -107,21 +108,34 @@ def tiny_model(
     if _is_complete(target, spec):
         return target
 
+    def build(staging: Path) -> None:
+        _write_tokenizer(staging, vocab_size=vocab_size, max_length=max_position_embeddings)
+        _write_model(staging, spec)
+        (staging / _SPEC_FILE).write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
+
+    return build_folder(target, lambda folder: _is_complete(folder, spec), build)
+
+
+def build_folder(target: Path, complete: Callable[[Path], bool], build: Callable[[Path], None]) -> Path:
+    """Have `build` write a model folder, then move it to `target`; returns `target`.
+
+    The build goes to a temporary sibling folder first, so a crash or a
+    concurrent builder never leaves a half-written model behind; when another
+    builder finished first (`complete` holds for `target`), its folder stays.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; the model is not a secret
     try:
-        _write_tokenizer(staging, vocab_size=vocab_size, max_length=max_position_embeddings)
-        _write_model(staging, spec)
-        (staging / _SPEC_FILE).write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
+        build(staging)
         if target.exists():
-            if _is_complete(target, spec):  # a concurrent builder won the race
+            if complete(target):  # a concurrent builder won the race
                 return target
             shutil.rmtree(target)
         try:
             staging.rename(target)
         except OSError:
-            if not _is_complete(target, spec):
+            if not complete(target):
                 raise
     finally:
         if staging.exists():

@@ -12,7 +12,13 @@ Each chunk is encoded on its own, so per-chunk statistics (the KIVI key
 scales) are what a tier gets. The demo model has random weights: its KV has
 the structure of a real Llama's (RoPE keys, per-head scales, values mixed
 from real token embeddings) but not a trained model's statistics, and the
-output says so.
+output says so. ``--model trained`` measures the KV of the trained reference
+model (``flowkv._testing.trained_model``, built locally once) for the same
+sources, which it never saw in training: a trained model's KV statistics.
+
+Each document is one stored prefix: a codec's ``window`` keeps the last
+tokens of each document exact, as the ``compress`` stage does, so the
+ratio counts the window's raw bytes where a tier would hold them.
 
 Other inputs: ``--kv-file`` (a tensor saved with ``torch.save``, shape
 ``(num_layers, kv, num_tokens, num_kv_heads, head_size)``), or
@@ -45,9 +51,9 @@ import torch
 
 from flowkv import payload
 from flowkv.bench import best_seconds
-from flowkv.codecs import codec_names, get_codec
+from flowkv.codecs import codec_names, get_codec, prefix_window
 
-__all__ = ["add_arguments", "measure", "model_kv", "parse_codecs", "run", "shuffle_gains", "synthetic_kv"]
+__all__ = ["add_arguments", "document_spans", "measure", "model_kv", "parse_codecs", "run", "shuffle_gains", "synthetic_kv"]
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -116,15 +122,19 @@ def model_kv(
     documents: int = 2,
     doc_tokens: int = 1024,
     chunk_tokens: int = 256,
+    model: str = "demo",
 ) -> list[torch.Tensor]:
-    """Chunks of real KV: the demo model's keys and values for standard-library source text.
+    """Chunks of real KV: a model's keys and values for standard-library source text.
 
-    Builds the demo model in `model_dir` (default: the demo's folder) if it
-    is not there yet, runs a transformers forward pass with ``use_cache`` on
-    `documents` documents of `doc_tokens` tokens each, and returns chunk
-    tensors ``(num_layers, 2, chunk_tokens, num_kv_heads, head_size)`` in the
-    model's dtype (the last chunk of a document may be shorter). Keys are
-    taken after RoPE, as a paged KV cache holds them.
+    `model` ``"demo"``: the random-weight demo model, built in `model_dir`
+    (default: the demo's folder) if it is not there yet; ``"trained"``: the
+    trained reference model (built once), which never saw these sources (the
+    first standard-library files by name). Runs a transformers
+    forward pass with ``use_cache`` on `documents` documents of `doc_tokens`
+    tokens each, and returns chunk tensors ``(num_layers, 2, chunk_tokens,
+    num_kv_heads, head_size)`` in the model's dtype (the last chunk of a
+    document may be shorter). Keys are taken after RoPE, as a paged KV cache
+    holds them.
     """
     import os
 
@@ -137,14 +147,21 @@ def model_kv(
 
     if chunk_tokens <= 0 or doc_tokens <= 0 or documents <= 0:
         raise ValueError("documents, doc_tokens and chunk_tokens must be positive")
-    folder = tiny_model(model_dir or default_model_dir(), **DEMO_MODEL)
+    if model == "trained":
+        from flowkv._testing.trained_model import trained_model
+
+        folder = trained_model()
+    elif model == "demo":
+        folder = tiny_model(model_dir or default_model_dir(), **DEMO_MODEL)
+    else:
+        raise ValueError(f"model must be 'demo' or 'trained', got {model!r}")
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16)
-    model.eval()
+    llama = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16)
+    llama.eval()
     chunks: list[torch.Tensor] = []
     for ids in read_documents(tokenizer, documents, doc_tokens):
         with torch.no_grad():
-            cache = model(torch.tensor([ids]), use_cache=True).past_key_values
+            cache = llama(torch.tensor([ids]), use_cache=True).past_key_values
         # transformers 5: one DynamicLayer per layer, keys/values (batch, kv_heads, tokens, head_size).
         layers = [torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers]
         doc = torch.stack(layers).permute(0, 1, 3, 2, 4)  # -> (layers, 2, tokens, kv_heads, head_size)
@@ -187,33 +204,49 @@ def _errors(kv: torch.Tensor, decoded: torch.Tensor) -> dict[str, float]:
     return result
 
 
+def document_spans(doc_lengths: Sequence[int], chunk_tokens: int) -> list[tuple[int, int, int]]:
+    """(start, end, prefix end) of every chunk of documents of these lengths, cut as `model_kv` cuts them."""
+    return [(start, min(start + chunk_tokens, length), length)
+            for length in doc_lengths for start in range(0, length, chunk_tokens)]
+
+
 def measure(
     kv: torch.Tensor | Sequence[torch.Tensor],
     codecs: list[tuple[str, dict[str, Any]]],
     *,
     repeats: int = 5,
+    spans: Sequence[tuple[int, int, int]] | None = None,
 ) -> list[dict[str, Any]]:
     """Encode/decode `kv` (one chunk tensor or a list of them) with each (codec, params).
 
     ``none`` is always measured first. Each chunk is its own payload, as in a
-    tier. Returns one row per codec: payload bytes (all chunks), ratio (raw /
-    payload), size and speed relative to ``none``, encode/decode GB/s of raw
-    tensor bytes (best of `repeats` passes over all chunks), and for lossy
-    codecs the errors over all chunks.
+    tier. `spans` gives each chunk's (start, end, prefix end) in its stored
+    prefix, so that a ``window`` parameter keeps the prefix's last tokens
+    exact (`flowkv.codecs.prefix_window`); by default every chunk is a
+    prefix of its own. Returns one row per codec: payload bytes (all
+    chunks), ratio (raw / payload), size and speed relative to ``none``,
+    encode/decode GB/s of raw tensor bytes (best of `repeats` passes over
+    all chunks), and for lossy codecs the errors over all chunks.
     """
     chunks = [kv] if isinstance(kv, torch.Tensor) else list(kv)
     if not chunks:
         raise ValueError("no KV to measure")
+    if spans is None:
+        spans = [(0, c.shape[2], c.shape[2]) for c in chunks]
+    if len(spans) != len(chunks):
+        raise ValueError(f"{len(spans)} spans for {len(chunks)} chunks")
     raw_bytes = sum(c.numel() * c.element_size() for c in chunks)
     plan = [("none", {})] + [(name, params) for name, params in codecs if (name, params) != ("none", {})]
     outs = [torch.empty_like(c) for c in chunks]
     rows = []
     for name, params in plan:
-        blobs = [payload.encode(c, name, **params) for c in chunks]
+        per_chunk = [params if not params.get("window") else {**params, "window": prefix_window(params["window"], *span)}
+                     for span in spans]
+        blobs = [payload.encode(c, name, **p) for c, p in zip(chunks, per_chunk)]
 
         def encode_all() -> None:
-            for c in chunks:
-                payload.encode(c, name, **params)
+            for c, p in zip(chunks, per_chunk):
+                payload.encode(c, name, **p)
 
         def decode_all() -> None:
             for blob, out in zip(blobs, outs):
@@ -290,7 +323,8 @@ def parse_codecs(text: str) -> list[tuple[str, dict[str, Any]]]:
 
 _DEFAULT_CODECS = ",".join(
     codec_names() + ["zstd:level=1", "zstd-shuffle:level=1", "zstd:level=9", "zstd-shuffle:level=9",
-                     "fp8:group_size=64", "int8:group_size=32", "int4:group_size=32"]
+                     "fp8:group_size=64", "fp8:scaling=channel", "int8:group_size=32", "int8:scale_dtype=fp16",
+                     "int4:group_size=32", "int4:scale_dtype=fp16", "int4:scale_dtype=fp16:window=64"]
 )
 
 
@@ -304,11 +338,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--codecs",
         default=None,
         help="comma-separated codecs, NAME or NAME:KEY=VALUE[:KEY=VALUE] (default: all, plus zstd levels 1 "
-        "and 9, fp8 group 64, int8 and int4 group 32)",
+        "and 9, fp8 group 64 and per-channel keys, int8 and int4 group 32 and fp16 scales, int4 with a "
+        "64-token window)",
     )
     parser.add_argument("--tokens", type=int, default=256, help="tokens per chunk (default 256)")
     parser.add_argument("--documents", type=int, default=2, help="model KV: documents (default 2)")
     parser.add_argument("--doc-tokens", type=int, default=1024, help="model KV: tokens per document (default 1024)")
+    parser.add_argument("--model", choices=("demo", "trained"), default="demo",
+                        help="model KV: the random-weight demo model (default) or the trained reference model")
     parser.add_argument("--model-dir", help="model KV: where the demo model is built (default: the demo's folder)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), help="synthetic KV dtype (default bf16)")
     parser.add_argument("--layers", type=int, help="synthetic: layers (default 8)")
@@ -324,22 +361,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 _SYNTHETIC_ONLY = ("dtype", "layers", "kv_heads", "head_size", "seed")
 
 
-def _input(args: argparse.Namespace) -> tuple[list[torch.Tensor], str]:
-    """The chunks to measure and a sentence saying where they came from."""
+def _input(args: argparse.Namespace) -> tuple[list[torch.Tensor], list[tuple[int, int, int]] | None, str]:
+    """The chunks to measure, their spans in their documents (None: a chunk each), and where they came from."""
     if args.kv_file:
-        return [load_kv_file(args.kv_file)], f"file {args.kv_file}"
+        return [load_kv_file(args.kv_file)], None, f"file {args.kv_file}"
     synthetic = args.synthetic or args.mla or any(getattr(args, n) is not None for n in _SYNTHETIC_ONLY)
     why = ""
     if not synthetic:
         try:
             chunks = model_kv(args.model_dir, documents=args.documents, doc_tokens=args.doc_tokens,
-                              chunk_tokens=args.tokens)
+                              chunk_tokens=args.tokens, model=args.model)
         except ImportError as exc:
             why = f" (model KV unavailable: {exc})"
         except (OSError, RuntimeError) as exc:
             why = f" (model KV unavailable: {type(exc).__name__}: {exc})"
         else:
-            return chunks, (
+            spans = document_spans([args.doc_tokens] * args.documents, args.tokens)
+            if args.model == "trained":
+                return chunks, spans, (
+                    f"trained model KV (transformers, CPU) for {args.documents} held-out standard-library source "
+                    f"document(s) of {args.doc_tokens} tokens, {len(chunks)} chunk(s)"
+                )
+            return chunks, spans, (
                 f"demo model KV (transformers, CPU) for {args.documents} standard-library source document(s) "
                 f"of {args.doc_tokens} tokens, {len(chunks)} chunk(s); random-weight model, not a trained one"
             )
@@ -352,20 +395,20 @@ def _input(args: argparse.Namespace) -> tuple[list[torch.Tensor], str]:
         dtype=_DTYPES[args.dtype or "bf16"],
         seed=args.seed or 0,
     )
-    return [kv], "synthetic KV (RoPE keys with outlier channels, smooth values); real KV will differ" + why
+    return [kv], None, "synthetic KV (RoPE keys with outlier channels, smooth values); real KV will differ" + why
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table (or JSON). Returns the exit status."""
     try:
         codecs = parse_codecs(args.codecs or _DEFAULT_CODECS)
-        chunks, source = _input(args)
+        chunks, spans, source = _input(args)
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"flowkv bench codecs: {exc}", file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = measure(chunks, codecs, repeats=args.repeats)
+    rows = measure(chunks, codecs, repeats=args.repeats, spans=spans)
     first = chunks[0]
     info = {
         "source": source,

@@ -74,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed runs per measurement; the best counts (default 5)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    parser.add_argument("--via", choices=("process", "server"), default="process",
+                        help="server: store and retrieve through a flowkv node server next to in-process "
+                             "local-cpu (flowkv.bench.node)")
 
 
 def _codec_of(pipeline: Any) -> tuple[str, dict[str, Any]]:
@@ -350,6 +353,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.via == "server":
+        from flowkv.bench import node
+
+        return node.run_engine(args, shape=(_LAYERS, _KV_HEADS, _HEAD_SIZE, _BLOCK_SIZE), lookup_tokens=_LOOKUP_TOKENS)
     try:
         r = measure(args)
     except (OSError, ValueError, RuntimeError) as exc:

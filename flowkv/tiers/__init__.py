@@ -8,6 +8,7 @@
 - :class:`GuardedTier` — timeouts, failure counting and back-off around a byte tier.
 - :class:`DiskTier` / :class:`DiskTierConfig` — one file per chunk, LRU by bytes.
 - :class:`RedisTier` / :class:`RedisTierConfig` — Redis/Valkey, standalone or cluster.
+- :class:`ServerTier` / :class:`ServerTierConfig` — a node server's shared arena (``flowkv server``).
 
 Byte tiers run as ``async`` methods on the engine's anyio portal thread
 (:mod:`flowkv.tiers.portal`), so slow I/O never runs on the inference thread.
@@ -28,6 +29,8 @@ __all__ = [
     "ObjectTier",
     "RedisTier",
     "RedisTierConfig",
+    "ServerTier",
+    "ServerTierConfig",
     "StorageManager",
     "Tier",
     "TierHealth",
@@ -44,6 +47,8 @@ _LAZY = {
     "MemoryTier": "flowkv.tiers.memory",
     "MemoryTierConfig": "flowkv.tiers.memory",
     "StorageManager": "flowkv.tiers.chain",
+    "ServerTier": "flowkv.tiers.server",
+    "ServerTierConfig": "flowkv.tiers.server",
 }
 
 

@@ -15,10 +15,12 @@ the tiers' order. Keys are printable strings (``CacheKey.to_str()``, e.g.
   (:class:`flowkv.tiers.GuardedTier`) and written behind a bounded queue, so
   a slow or failing tier never stalls inference. Blocking work (file I/O,
   checksums of large payloads) goes to ``anyio.to_thread.run_sync``.
-- an **object tier** (:class:`ObjectTier`; ``memory``, and a node server's
-  shared arena later) holds host-memory objects that the kernels gather into
+- an **object tier** (:class:`ObjectTier`; ``memory``, and ``server``, a node
+  server's shared arena) holds host-memory objects that the kernels gather into
   and scatter from directly. Its methods are synchronous and quick (no I/O
-  wait): store stages allocate there, fill the object, and commit it.
+  wait; a remote one bounded by its timeout): store stages allocate there,
+  fill the object, and commit it. Batches (``contains_many``, ``allocate_each``,
+  ``put_many``, ``get_many``, ``release_objects``) make one call per request.
 
 A user's own byte tier::
 
@@ -51,6 +53,7 @@ and in the pipeline file::
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Literal, Protocol
 
 import torch
@@ -143,8 +146,8 @@ class TierObject(Protocol):
 class ObjectTier(abc.ABC):
     """An object tier: holds :class:`TierObject` s that kernels gather into and scatter from.
 
-    Contract, for every implementation (``memory``, and later a node
-    server's shared arena reached over a socket):
+    Contract, for every implementation (``memory``, and ``server``: a node
+    server's shared arena reached over a socket, :mod:`flowkv.tiers.server`):
 
     - ``open(slab_bytes=...)`` is called once, before any other method, with
       the largest object the engine will allocate (one raw chunk and a margin
@@ -196,9 +199,16 @@ class ObjectTier(abc.ABC):
     def contains(self, key: str) -> bool:
         """Whether ``key`` is held."""
 
-    def contains_many(self, keys: list[str]) -> list[bool]:
-        """One bool per key (a remote object tier answers in one round trip)."""
-        return [self.contains(key) for key in keys]
+    def contains_many(self, keys: list[str], *, pin_owner: Any = None, pin_timeout_s: float = 30.0) -> list[bool]:
+        """One bool per key; with ``pin_owner``, every key held is pinned for it too.
+
+        A remote object tier answers (and pins) in one round trip: this is its
+        lookup+pin. The storage manager unpins what lies past the prefix hit.
+        """
+        held = [self.contains(key) for key in keys]
+        if pin_owner is not None:
+            held = [h and self.pin(key, pin_owner, timeout_s=pin_timeout_s) for key, h in zip(keys, held)]
+        return held
 
     @abc.abstractmethod
     def remove(self, key: str) -> bool:
@@ -219,6 +229,62 @@ class ObjectTier(abc.ABC):
     @abc.abstractmethod
     def clear(self) -> None:
         """Drop every entry and pin (readers keep their references)."""
+
+    # -- batches: one call per request (a remote tier answers each in one round trip) --
+
+    def allocate_many(self, shapes: Sequence[tuple[int, ...] | torch.Size], dtype: torch.dtype) -> list[TierObject]:
+        """Objects for ``shapes`` in order, as many as fit: the list stops at the first that did not."""
+        objects: list[TierObject] = []
+        for shape in shapes:
+            obj = self.allocate(shape, dtype)
+            if obj is None:
+                break
+            objects.append(obj)
+        return objects
+
+    def allocate_each(self, shapes: Sequence[tuple[int, ...] | torch.Size],
+                      dtype: torch.dtype) -> Iterator[TierObject]:
+        """Objects for ``shapes``, one per ``next()``, ending at the first that does not fit.
+
+        An in-process tier allocates as each is pulled: a store that commits
+        (and compresses) chunk i before pulling chunk i+1 leaves it the room
+        the encoding gave back. A remote tier asks for all of them at the
+        first pull (one round trip).
+        """
+        for shape in shapes:
+            obj = self.allocate(shape, dtype)
+            if obj is None:
+                return
+            yield obj
+
+    def put_many(self, entries: Sequence[tuple[str, TierObject]]) -> list[bool]:
+        """``put`` each ``(key, obj)``; one bool per entry (False: the key was held)."""
+        return [self.put(key, obj) for key, obj in entries]
+
+    def get_many(self, wanted: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> list[TierObject | None]:
+        """``get`` for each ``(key, shape, dtype)`` (the raw KV's shape: a remote tier views its
+        pages so); one object with a reference for the caller, or None, per key."""
+        return [self.get(key) for key, _, _ in wanted]
+
+    def release_objects(self, objects: Sequence[TierObject]) -> None:
+        """Drop the caller's reference on each object (a remote tier: one message)."""
+        for obj in objects:
+            obj.ref_down()
+
+    def pin_many(self, keys: Sequence[str], owner_id: Any, *, timeout_s: float) -> list[bool]:
+        """``pin`` each key for ``owner_id``; one bool per key."""
+        return [self.pin(key, owner_id, timeout_s=timeout_s) for key in keys]
+
+    def unpin_many(self, keys: Sequence[str], owner_id: Any) -> int:
+        """Drop ``owner_id``'s pins on ``keys``; how many. (A tier without single unpins
+        keeps them until ``release_owner`` or their deadline.)"""
+        unpin = getattr(self, "unpin", None)
+        return sum(bool(unpin(key, owner_id)) for key in keys) if unpin is not None else 0
+
+    def health(self) -> Any:
+        """``flowkv.tiers.TierHealth``: an in-process tier is always healthy; a remote one
+        is unhealthy while it cannot be reached (its calls then answer misses at once)."""
+        return "healthy"
 
     def close(self) -> None:
         """Release the tier's resources; the tier is not used after."""

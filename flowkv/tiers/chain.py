@@ -5,19 +5,24 @@
     find / read                                        put (stage option tiers = [...])
       |                                                  |
       v                                                  v
-    [memory] (object tier: stores allocate here) --> [disk] --> [redis]   byte tiers: guarded,
-      ^  promote (read, prefetch)                       |          |      written behind
-      +-------------------------------------------------+----------+
+    [memory] --copy--> [node]  --> [disk] --> [redis]    object tiers first: stores allocate in the
+      ^  promote (read, prefetch)    |          |        first (staging); byte tiers: guarded,
+      +------------------------------+----------+        written behind
 
-This is the one place that knows the tiers' order and which of them holds
-objects (memory). Stages reach it as ``ctx.services.storage``:
+This is the one place that knows the tiers' order and which of them hold
+objects (memory; a node server's shared arena, kind ``server``). Stages
+reach it as ``ctx.services.storage``:
 
 - ``find`` answers, for each key, the first tier in order that holds it
   (prefix contiguity is the lookup stage's rule over that answer);
 - ``read`` hands back a chunk's object or payload, promoting a byte-tier hit
   into memory when the caller asks (``get``'s ``promote`` option);
 - ``allocate`` gives a store room in memory; ``put`` commits a chunk to a
-  named tier (byte tiers through their bounded write-behind queue);
+  named tier (byte tiers through their bounded write-behind queue; object
+  tiers at once, or with ``later`` in one batch per tier at ``commit``; a
+  chunk for an object tier other than the staging one is copied there);
+- the ``*_many`` forms do a request's chunks in one call per tier, so a
+  remote object tier costs one round trip per request, not per chunk;
 - ``pin`` / ``release`` / ``expire_pins`` keep lookup hits from eviction until
   retrieve; ``prefetch`` starts promoting byte-tier hits at lookup time;
 - ``health``, ``stats``, ``flush``, ``close``; ``subscribe`` for admit and
@@ -39,7 +44,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
@@ -69,8 +74,10 @@ class Entry(NamedTuple):
 
     key: str
     tier: str | None  # the tier lookup found it in (None: not found, or masked)
-    shape: tuple[int, ...]  # the raw KV's shape: a raw payload must decode to exactly this
-    dtype: torch.dtype
+    # The raw KV's shape: a raw payload must decode to exactly this. None (a node
+    # server, which hosts many geometries): promoted payloads stay encoded.
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
 
 
 class Found(NamedTuple):
@@ -99,10 +106,12 @@ class _NoCounters:
 class StorageManager:
     """The ordered tiers of one pipeline: object tiers (memory) and byte tiers (disk, Redis, yours).
 
-    ``tiers`` are built tier instances in lookup order. Exactly one object
+    ``tiers`` are built tier instances in lookup order. The first object
     tier is the *staging* tier: stores allocate there, and byte-tier hits are
-    promoted there. Byte tiers are wrapped in a :class:`GuardedTier` (with
-    ``guards[name]``: ``timeout_s``, ``backoff_max_s``, ``write_queue``).
+    promoted there; a later object tier (``memory`` then ``server``) gets a
+    copy of each chunk ``put`` sends it. Byte tiers are wrapped in a
+    :class:`GuardedTier` (with ``guards[name]``: ``timeout_s``,
+    ``backoff_max_s``, ``write_queue``).
     """
 
     def __init__(
@@ -134,11 +143,13 @@ class StorageManager:
             self.guarded[name] = guarded
             self._write_behind[name] = WriteBehind(guarded, guard.write_queue if guard is not None else 256)
             self._timeout_s[name] = timeout_s
-        if len(self._objects) != 1:
-            raise ValueError(f"a storage manager needs exactly one object tier (memory), got {list(self._objects)}")
+        if not self._objects:
+            raise ValueError(f"a storage manager needs an object tier (memory or server), got {list(tiers)}")
         #: the object tier stores allocate in and byte-tier hits are promoted to
         self.staging: str = next(iter(self._objects))
         self.memory: ObjectTier = self._objects[self.staging]
+        # Object-tier puts made with ``later``, per thread until ``commit``: tier -> [(key, obj, payload)]
+        self._later = threading.local()
         self._lock = threading.Lock()  # guards the prefetch state below
         self._prefetching: dict[str, concurrent.futures.Future[None]] = {}
         self._prefetch_owner: dict[Any, list[str]] = {}
@@ -178,12 +189,15 @@ class StorageManager:
         return objects if objects is not None else self.guarded[name]
 
     def find(self, keys: Sequence[str], *, skip: Sequence[bool] | None = None,
-             tiers: Sequence[str] | None = None) -> list[str | None]:
+             tiers: Sequence[str] | None = None, pin: Any = None) -> list[str | None]:
         """For each key, the first tier (in order, or of ``tiers``) that holds it, or None.
 
-        Keys with ``skip`` set are not asked for. Reads no payload.
+        Keys with ``skip`` set are not asked for. Reads no payload. With ``pin``
+        (a lookup owner), object-tier hits of the prefix hit (leading keys
+        found or skipped) are pinned for it, as ``pin`` would.
         """
         found: list[str | None] = [None] * len(keys)
+        pinned: dict[str, list[int]] = {}
         for name in tiers or self.order:
             todo = [i for i, k in enumerate(keys) if found[i] is None and not (skip and skip[i])]
             if not todo:
@@ -191,17 +205,33 @@ class StorageManager:
             wanted = [keys[i] for i in todo]
             objects = self._objects.get(name)
             if objects is not None:
-                answers = objects.contains_many(wanted)
+                # With ``pin``, lookup and pin are one call (one round trip to a node server).
+                if pin is None:
+                    answers = objects.contains_many(wanted)
+                else:
+                    answers = objects.contains_many(wanted, pin_owner=pin, pin_timeout_s=self.pin_timeout_s)
+                    pinned[name] = [i for i, present in zip(todo, answers) if present]
             else:
                 answers = self._call(name, "exists", wanted, default=[False] * len(todo))
             for i, present in zip(todo, answers):
                 if present:
                     found[i] = name
+        if pinned:
+            # Only the prefix hit stays pinned: a retrieve loads nothing past the first miss.
+            end = next((i for i, tier in enumerate(found) if tier is None and not (skip and skip[i])), len(keys))
+            for name, indices in pinned.items():
+                beyond = [keys[i] for i in indices if i >= end]
+                if beyond:
+                    self._objects[name].unpin_many(beyond, pin)
         return found
 
     def contains(self, key: str) -> bool:
         """Whether the staging tier holds ``key`` (a store need not write it again)."""
         return self.memory.contains(key)
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """``contains`` for each key, in one call to the staging tier."""
+        return self.memory.contains_many(list(keys))
 
     # -- store ----------------------------------------------------------------
 
@@ -209,24 +239,55 @@ class StorageManager:
         """Room in the staging tier for a chunk's raw KV (evicting if needed); None when full."""
         return self.memory.allocate(shape, dtype)
 
+    def allocate_many(self, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> list[TierObject]:
+        """Room in the staging tier for each chunk, in order, as many as fit (one call)."""
+        return self.memory.allocate_many(shapes, dtype)
+
+    def allocate_each(self, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> Iterator[TierObject]:
+        """Room in the staging tier for each chunk, one per ``next()``, ending when full
+        (``ObjectTier.allocate_each``: in-process tiers allocate as pulled, remote ones at once)."""
+        return self.memory.allocate_each(shapes, dtype)
+
+    def release_objects(self, found: Sequence[tuple[str, TierObject]]) -> None:
+        """Drop the caller's reference on each ``(tier, obj)``: one call per tier."""
+        by_tier: dict[str, list[TierObject]] = collections.defaultdict(list)
+        for tier, obj in found:
+            by_tier[tier].append(obj)
+        for tier, objs in by_tier.items():
+            self._objects[tier].release_objects(objs)
+
     def put(self, tier: str, key: str, *, obj: TierObject | None = None, kv: torch.Tensor | None = None,
-            payload: Any = None) -> int:
+            payload: Any = None, later: bool = False) -> int:
         """Commit a chunk to ``tier``; the bytes it takes there (0: already held, or dropped).
 
         An object tier takes ``obj``: when ``payload`` (the chunk's encoding) is
         no larger, the encoding replaces the raw KV in the object's own pages
         and the rest goes back (``obj.meta["codec"]`` is then set and the raw
-        view is gone). A byte tier gets ``payload`` (or ``kv`` encoded raw)
-        through its write-behind queue and never waits.
+        view is gone). Another object tier than the staging one gets a copy.
+        With ``later`` an object tier's commit waits for ``commit()`` (this
+        answers 0; ``commit`` answers the bytes), so a store commits its chunks
+        in one call per tier. A byte tier gets ``payload`` (or ``kv`` encoded
+        raw) through its write-behind queue and never waits.
         """
         objects = self._objects.get(tier)
         if objects is None:
             blob = payload if payload is not None else payloads.encode(kv, "none")
             if isinstance(blob, memoryview):
                 blob = bytes(blob)
-            return len(blob) if self._write_behind[tier].offer(key, blob) else 0
+            if not self._write_behind[tier].offer(key, blob):
+                return 0
+            self._emit("admit", tier, key)  # queued to be written: a write that fails later is a miss
+            return len(blob)
         if obj is None:
             raise ValueError(f"put to object tier {tier!r} needs the chunk's object (run 'allocate' first)")
+        if tier != self.staging:
+            # A copy: of the object's encoding when the staging tier took one, else of the payload
+            # (kept until the copy) or the raw KV.
+            keep = payload if payload is not None and "codec" not in obj.meta and len(payload) <= obj.nbytes else None
+            if later:
+                self._pending().setdefault(tier, []).append((key, obj, keep))
+                return 0
+            return self._commit_copies(tier, [(key, obj, keep)])
         if payload is not None and len(payload) <= obj.nbytes:
             # Overwrite the chunk's own pages (the raw KV is no longer needed; a
             # second allocation could evict this store's own earlier chunks when
@@ -238,10 +299,76 @@ class StorageManager:
             obj.meta["encoded_len"] = len(payload)
         else:
             payload = None  # no codec, or an encoding no smaller than the raw chunk: keep it raw
+        if later:
+            self._pending().setdefault(tier, []).append((key, obj, None))
+            return 0
         if not objects.put(key, obj):
             return 0  # another store of the same tokens got there first
         self._emit("admit", tier, key)
-        return obj.nbytes if payload is None else len(payload)
+        return obj.nbytes
+
+    def _pending(self) -> dict[str, list[tuple[str, TierObject, Any]]]:
+        pending = getattr(self._later, "puts", None)
+        if pending is None:
+            pending = self._later.puts = {}
+        return pending
+
+    def commit(self) -> dict[str, int]:
+        """Commit this thread's ``put(..., later=True)`` chunks, one call per object tier;
+        the bytes each tier took (held keys and chunks that found no room take none)."""
+        pending, self._later.puts = self._pending(), {}
+        written: dict[str, int] = {}
+        for tier in [name for name in self.order if name in pending]:
+            batch = pending[tier]
+            if tier != self.staging:
+                written[tier] = self._commit_copies(tier, batch)
+                continue
+            admitted = self._objects[tier].put_many([(key, obj) for key, obj, _ in batch])
+            written[tier] = 0
+            for (key, obj, _), ok in zip(batch, admitted):
+                if ok:
+                    written[tier] += obj.nbytes
+                    self._emit("admit", tier, key)
+        return written
+
+    def _commit_copies(self, tier: str, batch: Sequence[tuple[str, TierObject, Any]]) -> int:
+        """Copy each chunk into object tier ``tier`` (one allocation call, one commit call)."""
+        target = self._objects[tier]
+        held = target.contains_many([key for key, _, _ in batch])
+        batch = [item for item, present in zip(batch, held) if not present]
+        if not batch:
+            return 0
+        raw = [item for item in batch if item[2] is None and "codec" not in item[1].meta]
+        encoded = [item for item in batch if item[2] is not None or "codec" in item[1].meta]
+        copies: list[tuple[str, TierObject]] = []
+        try:
+            if raw:
+                objs = target.allocate_many([tuple(obj.tensor.shape) for _, obj, _ in raw], raw[0][1].tensor.dtype)
+                for (key, obj, _), copy in zip(raw, objs):
+                    copy.tensor.copy_(obj.tensor)
+                    copies.append((key, copy))
+            for key, obj, blob in encoded:
+                data = blob if blob is not None else obj.view_bytes()[: obj.meta["encoded_len"]]
+                got = target.allocate_many([(len(data),)], torch.uint8)
+                if not got:
+                    break
+                copy = got[0]
+                copy.view_bytes()[:] = data
+                copy.meta["codec"] = payloads.read_header(data).codec
+                copy.meta["encoded_len"] = len(data)
+                copies.append((key, copy))
+            if not copies:
+                self._counters.count(f"tier.{tier}.copy_no_room", len(batch))
+                return 0
+            admitted = target.put_many(copies)
+        finally:
+            target.release_objects([copy for _, copy in copies])
+        written = 0
+        for (key, copy), ok in zip(copies, admitted):
+            if ok:
+                written += copy.meta.get("encoded_len", copy.nbytes)
+                self._emit("admit", tier, key)
+        return written
 
     # -- retrieve -------------------------------------------------------------
 
@@ -253,19 +380,57 @@ class StorageManager:
         payload decoded on the way) and served from there.
         """
         key = entry.key
-        landing = None
-        if self._prefetching:  # no lock for the common case: nothing prefetching at all
-            with self._lock:
-                landing = self._prefetching.get(key)
-        if landing is not None:
-            try:
-                landing.result(timeout=self._timeout_s.get(entry.tier, 1.0) + 1.0)
-            except Exception:
-                pass
+        self._wait_prefetch([entry])
         for name, objects in self._objects.items():
-            found = _found_in(name, objects, key)
+            found = _found_in(name, objects, entry)
             if found is not None:
                 return found
+        return self._read_bytes(entry, promote=promote)
+
+    def read_many(self, entries: Sequence[Entry], *, promote: bool) -> Iterator[Found | None]:
+        """``read`` for each entry, in order: object tiers asked once for all of them
+        (one round trip to a node server), byte tiers chunk by chunk as the caller
+        pulls. Objects fetched for entries the caller never pulled are released."""
+        self._wait_prefetch(entries)
+        hits: list[Found | None] = [None] * len(entries)
+        todo = list(range(len(entries)))
+        for name, objects in self._objects.items():
+            if not todo:
+                break
+            wanted = [entries[i] for i in todo]
+            objs = objects.get_many([(e.key, e.shape, e.dtype) for e in wanted])
+            for i, obj in zip(todo, objs):
+                if obj is not None:
+                    hits[i] = _as_found(name, obj)
+            todo = [i for i in todo if hits[i] is None]
+        index = 0
+        try:
+            for index, entry in enumerate(entries):
+                found = hits[index]
+                if found is None:
+                    found = self._read_bytes(entry, promote=promote)
+                hits[index] = None  # the caller owns it now
+                yield found
+            index = len(entries)
+        finally:
+            unpulled = [(f.tier, f.obj) for f in hits[index:] if f is not None and f.obj is not None]
+            if unpulled:
+                self.release_objects(unpulled)
+
+    def _wait_prefetch(self, entries: Sequence[Entry]) -> None:
+        if not self._prefetching:  # no lock for the common case: nothing prefetching at all
+            return
+        with self._lock:
+            landings = [(e, self._prefetching.get(e.key)) for e in entries]
+        for entry, landing in landings:
+            if landing is not None:
+                try:
+                    landing.result(timeout=self._timeout_s.get(entry.tier, 1.0) + 1.0)
+                except Exception:
+                    pass
+
+    def _read_bytes(self, entry: Entry, *, promote: bool) -> Found | None:
+        key = entry.key
         order = [entry.tier] if entry.tier in self.guarded else []
         order += [n for n in self.guarded if n not in order]
         for name in order:
@@ -273,7 +438,7 @@ class StorageManager:
             if blob is None:
                 continue
             if promote and self._promote(key, blob, entry.shape, entry.dtype):
-                found = _found_in(self.staging, self.memory, key)
+                found = _found_in(self.staging, self.memory, entry)
                 if found is not None:
                     return found
             return Found(tier=name, payload=blob)
@@ -297,11 +462,14 @@ class StorageManager:
     # -- pins and prefetch ----------------------------------------------------
 
     def pin(self, hits: Sequence[tuple[str, str | None]], owner: Any) -> None:
-        """Keep the object-tier hits among ``hits`` (key, tier found in) from eviction for ``owner``."""
+        """Keep the object-tier hits among ``hits`` (key, tier found in) from eviction for ``owner``
+        (one call per tier)."""
+        by_tier: dict[str, list[str]] = collections.defaultdict(list)
         for key, tier in hits:
-            objects = self._objects.get(tier)  # type: ignore[arg-type]
-            if objects is not None:
-                objects.pin(key, owner, timeout_s=self.pin_timeout_s)
+            if tier in self._objects:
+                by_tier[tier].append(key)  # type: ignore[index]
+        for tier, keys in by_tier.items():
+            self._objects[tier].pin_many(keys, owner, timeout_s=self.pin_timeout_s)
 
     def release(self, owner: Any) -> None:
         """Drop every pin ``owner`` holds, its prefetched chunks' included."""
@@ -369,8 +537,9 @@ class StorageManager:
             keys = list(self._prefetch_owner.get(owner, []))
             return any(not self._prefetching[k].done() for k in keys if k in self._prefetching)
 
-    def _promote(self, key: str, blob: Any, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
-        """Copy a byte-tier payload into the staging tier; raw payloads are decoded on the way."""
+    def _promote(self, key: str, blob: Any, shape: tuple[int, ...] | None, dtype: torch.dtype | None) -> bool:
+        """Copy a byte-tier payload into the staging tier; raw payloads are decoded on the way
+        (unless ``shape`` is None: then every payload stays encoded, and its reader decodes it)."""
         memory = self.memory
         if memory.contains(key):
             return True
@@ -379,7 +548,7 @@ class StorageManager:
         except payloads.PayloadError:
             self._counters.count("corrupt_payloads")
             return False
-        if header.codec == "none":
+        if header.codec == "none" and shape is not None:
             obj = memory.allocate(shape, dtype)
             if obj is None:
                 return False
@@ -396,6 +565,12 @@ class StorageManager:
                 return False
             if obj is None:
                 return False
+            try:
+                payloads.verify(blob)  # kept encoded: checked now, so nothing corrupt is held
+            except payloads.PayloadError:
+                obj.ref_down()
+                self._counters.count("corrupt_payloads")
+                return False
             obj.view_bytes()[:] = blob
             obj.meta["codec"] = header.codec
         admitted = memory.put(key, obj)
@@ -408,7 +583,8 @@ class StorageManager:
     # -- events ------------------------------------------------------------------
 
     def subscribe(self, observer: Callable[[TierEvent], None]) -> None:
-        """Call ``observer`` with every admit, evict and remove of an object tier.
+        """Call ``observer`` with every admit, evict and remove of an object tier, and every write
+        queued for a byte tier (its own evictions are not seen).
 
         Called on whichever thread made the change, outside tier locks; it must
         be quick and must not raise (a controller queues the event and returns).
@@ -430,8 +606,9 @@ class StorageManager:
     # -- health, stats, shutdown ----------------------------------------------
 
     def health(self) -> dict[str, TierHealth]:
-        """Each tier's state: object tiers are always healthy; a byte tier is skipped while unhealthy."""
-        states = {name: TierHealth.HEALTHY for name in self._objects}
+        """Each tier's state: an in-process object tier is always healthy; a byte tier or a node
+        server is skipped (misses at once) while unhealthy."""
+        states = {name: TierHealth(objects.health()) for name, objects in self._objects.items()}
         states.update({name: tier.state for name, tier in self.guarded.items()})
         return {name: states[name] for name in self.order}
 
@@ -474,10 +651,12 @@ class StorageManager:
             return default
 
 
-def _found_in(name: str, objects: ObjectTier, key: str) -> Found | None:
-    obj = objects.get(key)
-    if obj is None:
-        return None
+def _found_in(name: str, objects: ObjectTier, entry: Entry) -> Found | None:
+    [obj] = objects.get_many([(entry.key, entry.shape, entry.dtype)])
+    return None if obj is None else _as_found(name, obj)
+
+
+def _as_found(name: str, obj: TierObject) -> Found:
     if "codec" in obj.meta:
         return Found(tier=name, obj=obj, payload=obj.view_bytes()[: obj.meta["encoded_len"]])
     return Found(tier=name, obj=obj, kv=obj.tensor)

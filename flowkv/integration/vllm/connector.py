@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from flowkv.integration.vllm.kv_events import PublishedEvents
 from flowkv.integration.vllm.metrics import FlowKVPromMetrics, FlowKVStats
 from flowkv.integration.vllm.scheduler import ConnectorScheduler
 from flowkv.integration.vllm.settings import ConnectorSettings
@@ -27,7 +28,10 @@ from flowkv.pipeline import load_pipeline
 from flowkv.quality_gate import check_served_model
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
+    from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
@@ -40,6 +44,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger("flowkv.integration")
@@ -61,6 +66,7 @@ class FlowKVConnector(KVConnectorBase_V1):
             logger.warning("flowkv: %s", warning)
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
+        self._published = PublishedEvents()
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = ConnectorScheduler(vllm_config, self._kv_transfer_config, settings, pipeline)
         elif role == KVConnectorRole.WORKER:
@@ -97,6 +103,14 @@ class FlowKVConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The workers' output of a step: flowkv's tier events for vLLM's KV event publisher."""
+        self._published.absorb(connector_output.kv_cache_events)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """flowkv's ``BlockStored`` / ``BlockRemoved`` events; vLLM publishes them with its own."""
+        return self._published.take()
+
     # -- worker side --------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
@@ -124,6 +138,10 @@ class FlowKVConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        """This step's tier events as vLLM events (None unless vLLM publishes KV events)."""
+        return self.worker.get_kv_connector_kv_cache_events()
 
     # -- both sides -----------------------------------------------------------------
 

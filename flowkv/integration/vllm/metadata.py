@@ -47,6 +47,8 @@ class SaveSpec:
     block_ids: list[int]
     skip_prefix: int
     tags: dict[str, str]
+    # vLLM's own hashes of the full blocks of token_ids (only when flowkv publishes vLLM KV events).
+    block_hashes: list[bytes] | None = None
 
 
 @dataclass

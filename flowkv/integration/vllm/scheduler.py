@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from flowkv.integration._ipc import LookupClient
+from flowkv.integration.vllm.kv_events import publishes_kv_events
 from flowkv.integration.vllm.metadata import FlowKVMetadata, LoadSpec, SaveSpec, ceil_to, floor_to
 from flowkv.integration.vllm.settings import ConnectorSettings, Instance, request_tags
 
@@ -76,6 +77,8 @@ class ConnectorScheduler:
         self._saves = kv_transfer_config.is_kv_producer
         self._requests: dict[str, RequestState] = {}
         self._lookup_seq = itertools.count()
+        # Saves carry vLLM's block hashes when flowkv's tiers go into vLLM's KV events.
+        self.publishes_kv_events = publishes_kv_events(vllm_config, pipeline)
         # vLLM reads this policy after it built the connector.
         policy = kv_transfer_config.kv_load_failure_policy
         if policy != "recompute":
@@ -205,6 +208,7 @@ class ConnectorScheduler:
                         block_ids=list(state.block_ids),
                         skip_prefix=state.stored_end,
                         tags=state.tags,
+                        block_hashes=list(state.request.block_hashes) if self.publishes_kv_events else None,
                     )
                 )
                 state.stored_end = store_end

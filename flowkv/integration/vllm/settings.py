@@ -65,6 +65,10 @@ class ConnectorSettings:
         for key, value in extra.items():
             if key in _CONNECTOR_KEYS:
                 continue
+            if key == "controller" and isinstance(value, Mapping):
+                # {"controller": {"url": ...}} sets the pipeline's [controller] table.
+                overrides.update({f"controller.{name}": setting for name, setting in value.items()})
+                continue
             overrides[f"vllm.{key}" if key in _VLLM_SECTION_KEYS else key] = value
         return cls(
             pipeline=str(pipeline),

@@ -23,6 +23,7 @@ import torch
 
 from flowkv.calls import KVTransfer
 from flowkv.integration._ipc import LookupServer
+from flowkv.integration.vllm.fleet import FleetLink
 from flowkv.integration.vllm.metadata import FlowKVMetadata, LoadSpec, SaveSpec, chunk_mask, floor_to, slot_mapping
 from flowkv.integration.vllm.query import answer
 from flowkv.integration.vllm.settings import ConnectorSettings, Instance
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+    from flowkv.integration.vllm.kv_events import FlowKVEvents
     from flowkv.pipeline_model import Pipeline
 
 logger = logging.getLogger("flowkv.integration")
@@ -99,6 +101,7 @@ class ConnectorWorker:
         self._layer_saves: list[_LayerwiseSave] | None = None
         self._step: StepTrace | None = None
         self._step_seq = itertools.count()
+        self._fleet: FleetLink | None = None
 
     # -- set-up and the scheduler's questions ---------------------------------
 
@@ -135,6 +138,8 @@ class ConnectorWorker:
             lambda header, tokens: answer(self._engine, self._engine_lock, header, tokens),
         )
         self._server.start()
+        self._fleet = FleetLink.start(self._vllm_config, self._settings, self._pipeline, self._instance, rank,
+                                      self._engine, self._engine_lock)
         logger.info(
             "flowkv: worker rank %d serving lookups on %s; pipeline %s, layout %s",
             rank, self._server.path, self._pipeline.name, geometry.fingerprint(),
@@ -340,6 +345,8 @@ class ConnectorWorker:
                 continue
             try:
                 transfer = self._transfer(save, token_ids, 0, len(token_ids))
+                if self._fleet is not None:
+                    self._fleet.note_save(save, token_ids)
                 with self._engine_lock, step.active(save.req_id):
                     handle = self._engine.store_layerwise(transfer)
             except Exception:
@@ -400,6 +407,8 @@ class ConnectorWorker:
                 continue
             try:
                 transfer = self._transfer(save, token_ids, 0, len(token_ids))
+                if self._fleet is not None:
+                    self._fleet.note_save(save, token_ids)
                 with self._engine_lock, step.active(save.req_id):
                     stored = self._engine.store(transfer).stored_tokens
                 step.annotate(save.req_id, {"flowkv.stored_tokens": stored})
@@ -423,12 +432,21 @@ class ConnectorWorker:
         with self._engine_lock:
             now = snapshot(self._engine.stats())
             latencies = self._engine.drain_latencies()
+        if self._fleet is not None:
+            self._fleet.observe_latencies(latencies)
         interval = FlowKVStats.between(self._stats_at_last_report or {"counters": {}}, now, latencies)
         self._stats_at_last_report = now
         return None if interval.is_empty() else interval
 
+    def get_kv_connector_kv_cache_events(self) -> FlowKVEvents | None:
+        """This step's tier events for vLLM's KV event publisher (None unless it is on)."""
+        return self._fleet.take_kv_events() if self._fleet is not None else None
+
     def shutdown(self) -> None:
-        """Stop serving lookups, close the engine, write out its traces."""
+        """Stop reporting and serving lookups, close the engine, write out its traces."""
+        if self._fleet is not None:
+            self._fleet.close()
+            self._fleet = None
         if self._server is not None:
             self._server.close()
             self._server = None

@@ -1,0 +1,126 @@
+"""``flowkv controller``, ``flowkv node-report`` and ``flowkv route``: arguments here, servers imported only when run."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import sys
+from pathlib import Path
+
+__all__ = ["add_commands", "read_token"]
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    controller = sub.add_parser("controller", help="the fleet's controller: who holds which prefix, commands, "
+                                                   "metrics, dashboard")
+    controller.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    controller.add_argument("--port", type=int, default=9100, help="port (0: a free one, printed at start)")
+    controller.add_argument("--token-file", type=Path, default=None,
+                            help="file holding the bearer token that reports and commands must carry")
+    controller.add_argument("--heartbeat-s", type=float, default=2.0, help="heartbeat interval asked of instances")
+    controller.add_argument("--timeout-s", type=float, default=10.0,
+                            help="an instance silent this long is marked down")
+    controller.add_argument("--log-level", default="info")
+    controller.set_defaults(func=run_controller)
+
+    node = sub.add_parser("node-report", help="report a node server's chunks (flowkv server) to the controller")
+    node.add_argument("--socket", required=True, help="the node server's Unix socket")
+    node.add_argument("--controller", required=True, metavar="URL", help="the controller's URL")
+    node.add_argument("--token-file", default=None, help="file holding the controller's bearer token")
+    node.add_argument("--heartbeat-s", type=float, default=2.0)
+    node.add_argument("--name", default=None,
+                      help="the server's holder id (default: the name the server gives, else HOST:SOCKET)")
+    node.add_argument("--log-level", default="info")
+    node.set_defaults(func=run_node_report)
+
+    route = sub.add_parser("route", help="an OpenAI-compatible proxy that sends each request to the vLLM "
+                                         "instance holding its longest cached prefix")
+    route.add_argument("--backend", action="append", required=True, metavar="URL",
+                       help="a vLLM server's URL (repeat for each)")
+    route.add_argument("--controller", default=None, metavar="URL",
+                       help="the controller to ask (without it: round-robin)")
+    route.add_argument("--policy", choices=("prefix", "round-robin"), default="prefix",
+                       help="prefix: longest cached prefix, ties and overload by in-flight requests")
+    route.add_argument("--tokenizer", default=None, help="tokenizer name or path (default: the backends' model)")
+    route.add_argument("--host", default="127.0.0.1")
+    route.add_argument("--port", type=int, default=9200)
+    route.add_argument("--lookup-timeout-s", type=float, default=2.0,
+                       help="route by load when the controller has not answered by then")
+    route.add_argument("--affinity-s", type=float, default=60.0,
+                       help="send a prompt nobody holds yet where the same opening went this long ago")
+    route.add_argument("--max-in-flight-gap", type=int, default=8,
+                       help="skip a holder with this many more requests in flight than the least loaded backend")
+    route.add_argument("--log-level", default="info")
+    route.set_defaults(func=run_route)
+
+
+def read_token(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    token = Path(path).read_text(encoding="utf-8").strip()
+    if not token:
+        raise ValueError(f"token file {path} is empty")
+    return token
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run_controller(args: argparse.Namespace) -> int:
+    from flowkv.fleet.controller import create_app, serve
+    from flowkv.fleet.directory import Directory
+
+    try:
+        token = read_token(args.token_file)
+    except (OSError, ValueError) as exc:
+        print(f"flowkv controller: {exc}", file=sys.stderr)
+        return 2
+    if not _is_loopback(args.host) and token is None:
+        print(f"flowkv controller: warning: binding {args.host} without --token-file lets anyone who reaches "
+              "it clear caches", file=sys.stderr)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    directory = Directory(heartbeat_s=args.heartbeat_s, timeout_s=args.timeout_s)
+    serve(create_app(directory, token=token), args.host, args.port, name="flowkv controller",
+          log_level=args.log_level)
+    return 0
+
+
+def run_node_report(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from flowkv.fleet.node import NodeFollower
+    from flowkv.fleet.reporter import ReporterConfig
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ReporterConfig(url=args.controller, heartbeat_s=args.heartbeat_s, token_file=args.token_file)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    follower = NodeFollower(args.socket, config, name=args.name).start()
+    print(f"flowkv node-report: following {args.socket} as {follower.name} for {args.controller}", flush=True)
+    stop.wait()
+    follower.close()
+    return 0
+
+
+def run_route(args: argparse.Namespace) -> int:
+    from flowkv.fleet.controller import serve
+    from flowkv.fleet.route import Router, create_app
+
+    if args.policy == "prefix" and not args.controller:
+        print("flowkv route: --policy prefix needs --controller URL", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    router = Router(args.backend, controller=args.controller, policy=args.policy, tokenizer=args.tokenizer,
+                    max_in_flight_gap=args.max_in_flight_gap, lookup_timeout_s=args.lookup_timeout_s,
+                    affinity_s=args.affinity_s)
+    serve(create_app(router), args.host, args.port, name="flowkv route", log_level=args.log_level)
+    return 0

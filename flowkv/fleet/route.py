@@ -1,0 +1,254 @@
+"""``flowkv route``: an OpenAI-compatible proxy that sends each request where its prefix is cached.
+
+For each ``/v1/completions`` or ``/v1/chat/completions`` request the router
+tokenizes the prompt as vLLM will (:mod:`flowkv.fleet.tokens`), asks the
+controller's ``/lookup`` which instances hold a prefix, and picks:
+
+1. the holder with the longest cached prefix, unless it has more than
+   ``max_in_flight_gap`` requests in flight beyond the least loaded backend
+   (then the next holder, and so on);
+2. among holders with equal prefixes, the one with fewer requests in flight;
+3. when nobody holds a prefix yet, the backend this router sent the same
+   opening (the first ``affinity_tokens`` tokens) to within the last
+   ``affinity_s`` seconds: a repeat that arrives while the first request is
+   still being prefilled, or before its chunks were reported, waits for
+   them there instead of computing them a second time elsewhere;
+4. otherwise (or when the controller does not answer within
+   ``lookup_timeout_s``), the backend with the fewest requests in flight,
+   round-robin among equals.
+
+``policy="round-robin"`` skips all that (the comparison mode). Responses,
+streamed or not, are passed through unchanged, with an ``x-flowkv-backend``
+header naming the backend that served them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from flowkv.fleet.tokens import Tokenizers
+
+__all__ = ["Router", "create_app"]
+
+log = logging.getLogger("flowkv.fleet")
+
+
+def _normal(url: str) -> str:
+    return url.rstrip("/").replace("://localhost", "://127.0.0.1")
+
+
+class Router:
+    """Which backend gets a request; see the module's docstring."""
+
+    def __init__(self, backends: list[str], *, controller: str | None = None, policy: str = "prefix",
+                 tokenizer: str | None = None, max_in_flight_gap: int = 8, lookup_timeout_s: float = 2.0,
+                 affinity_tokens: int = 256, affinity_s: float = 60.0) -> None:
+        if not backends:
+            raise ValueError("flowkv route needs at least one backend")
+        if policy not in ("prefix", "round-robin"):
+            raise ValueError(f"unknown policy {policy!r}: prefix or round-robin")
+        self.backends = [_normal(url) for url in backends]
+        self.controller = controller.rstrip("/") if controller else None
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.max_in_flight_gap = max_in_flight_gap
+        self.lookup_timeout_s = lookup_timeout_s
+        self.in_flight = {url: 0 for url in self.backends}
+        self.affinity_tokens = affinity_tokens
+        self.affinity_s = affinity_s
+        # opening of a prompt -> (backend, monotonic time) of the last request this router sent with it
+        self._recent: collections.OrderedDict[int, tuple[str, float]] = collections.OrderedDict()
+        self._turn = itertools.cycle(range(len(self.backends)))
+        self.tokenizers = Tokenizers()
+        self.decisions: collections.Counter[str] = collections.Counter()
+        self.served: collections.Counter[str] = collections.Counter()
+        self.client: httpx.AsyncClient | None = None
+
+    async def open(self) -> None:
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
+                                        limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+
+    # -- choosing -------------------------------------------------------------------
+
+    def _least_loaded(self, among: list[str] | None = None) -> str:
+        among = among or self.backends
+        fewest = min(self.in_flight[url] for url in among)
+        # Round-robin among the least loaded, so equal backends share the work.
+        for _ in range(len(self.backends)):
+            candidate = self.backends[next(self._turn)]
+            if candidate in among and self.in_flight[candidate] == fewest:
+                return candidate
+        return among[0]
+
+    async def choose(self, body: dict[str, Any], chat: bool) -> tuple[str, str, int]:
+        """(backend, why, matched tokens) for a request body."""
+        if self.policy == "round-robin":
+            return self.backends[next(self._turn)], "round-robin", 0
+        try:
+            token_ids = await asyncio.to_thread(self._token_ids, body, chat)
+            holders = await self._lookup(token_ids, body.get("model"))
+        except Exception as exc:  # no tokenizer, no controller: route by load, never fail the request
+            if self.decisions["lookup-failed"] % 100 == 0:
+                log.warning("flowkv route: lookup failed (%s: %s); routing by load", type(exc).__name__, exc)
+            return self._least_loaded(), "lookup-failed", 0
+        floor = min(self.in_flight.values())
+        best: list[tuple[str, int]] = []
+        for holder in holders:
+            url = _normal(holder.get("url") or "")
+            if url not in self.in_flight or holder.get("state") != "up":
+                continue
+            if self.in_flight[url] - floor > self.max_in_flight_gap:
+                self.decisions["holder_overloaded"] += 1
+                continue
+            if best and holder["matched_tokens"] < best[0][1]:
+                break
+            best.append((url, holder["matched_tokens"]))
+        opening = hash(tuple(token_ids[:self.affinity_tokens]))
+        if best:
+            chosen = best[0][0] if len(best) == 1 else self._least_loaded([url for url, _ in best])
+            why = "longest-prefix" if len(best) == 1 else "tie-by-load"
+        else:
+            recent = self._recent.get(opening)
+            if (recent is not None and time.monotonic() - recent[1] < self.affinity_s
+                    and self.in_flight[recent[0]] - floor <= self.max_in_flight_gap):
+                chosen, why = recent[0], "recent-affinity"
+            else:
+                chosen, why = self._least_loaded(), "no-holder"
+        self._recent[opening] = (chosen, time.monotonic())
+        self._recent.move_to_end(opening)
+        while len(self._recent) > 10_000:
+            self._recent.popitem(last=False)
+        return chosen, why, best[0][1] if best else 0
+
+    def _token_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
+        tokenizer = self.tokenizer or self._backend_model_root
+        if chat:
+            return self.tokenizers.encode(tokenizer, messages=body.get("messages") or [])
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of prompts goes where its first one is cached
+        return self.tokenizers.encode(tokenizer, prompt=prompt)
+
+    _backend_model_root: str | None = None
+
+    async def learn_tokenizer(self) -> None:
+        """The backends' model path (``root`` in vLLM's ``/v1/models``), when no tokenizer was given."""
+        if self.tokenizer or self._backend_model_root or self.client is None:
+            return
+        for url in self.backends:
+            try:
+                reply = await self.client.get(f"{url}/v1/models", timeout=5.0)
+                models = reply.json().get("data") or []
+                if models:
+                    self._backend_model_root = models[0].get("root") or models[0].get("id")
+                    return
+            except Exception:
+                continue
+
+    async def _lookup(self, token_ids: list[int], model: str | None) -> list[dict[str, Any]]:
+        assert self.client is not None and self.controller is not None
+        reply = await self.client.post(f"{self.controller}/lookup", json={"token_ids": token_ids},
+                                       timeout=self.lookup_timeout_s)
+        reply.raise_for_status()
+        return reply.json()["holders"]
+
+    # -- proxying -------------------------------------------------------------------
+
+    async def forward(self, request: Request, path: str, chat: bool) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return JSONResponse({"error": {"message": "the body is not JSON", "type": "invalid_request"}}, 400)
+        if self.tokenizer is None and self._backend_model_root is None:
+            await self.learn_tokenizer()
+        backend, why, matched = await self.choose(body, chat)
+        self.decisions[why] += 1
+        self.served[backend] += 1
+        self.in_flight[backend] += 1
+        headers = {"x-flowkv-backend": backend, "x-flowkv-route": why, "x-flowkv-matched-tokens": str(matched)}
+        forwarded = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+        assert self.client is not None
+        try:
+            upstream = await self.client.send(
+                self.client.build_request("POST", f"{backend}{path}", content=raw, headers=forwarded), stream=True)
+        except httpx.HTTPError as exc:
+            self.in_flight[backend] -= 1
+            return JSONResponse({"error": {"message": f"backend {backend}: {exc}", "type": "backend_error"}}, 502,
+                                headers=headers)
+        headers["content-type"] = upstream.headers.get("content-type", "application/json")
+
+        async def relay():
+            try:
+                async for piece in upstream.aiter_raw():
+                    yield piece
+            finally:
+                await upstream.aclose()
+                self.in_flight[backend] -= 1
+
+        if body.get("stream"):
+            return StreamingResponse(relay(), status_code=upstream.status_code, headers=headers)
+        try:
+            content = await upstream.aread()
+        finally:
+            await upstream.aclose()
+            self.in_flight[backend] -= 1
+        return Response(content, status_code=upstream.status_code, headers=headers)
+
+
+def create_app(router: Router) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await router.open()
+        try:
+            yield
+        finally:
+            await router.close()
+
+    app = FastAPI(title="flowkv route", version="1", lifespan=lifespan,
+                  description="An OpenAI-compatible proxy that routes by cached prefix.")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.forward(request, "/v1/completions", chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await router.forward(request, "/v1/chat/completions", chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        assert router.client is not None
+        for url in router.backends:
+            try:
+                reply = await router.client.get(f"{url}/v1/models", timeout=5.0)
+                return Response(reply.content, status_code=reply.status_code, media_type="application/json")
+            except httpx.HTTPError:
+                continue
+        return JSONResponse({"error": {"message": "no backend answered"}}, 502)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "policy": router.policy, "backends": router.backends}
+
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        return {"policy": router.policy, "in_flight": router.in_flight, "served": dict(router.served),
+                "decisions": dict(router.decisions)}
+
+    return app

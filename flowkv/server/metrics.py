@@ -1,0 +1,105 @@
+"""Prometheus metrics of a node server (``--metrics-port``), in the text exposition format.
+
+Served on loopback by default from a thread of its own at ``/metrics``;
+every scrape reads the server's status. Names: ``flowkv_server_*``.
+"""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from typing import Any
+
+__all__ = ["render", "serve_metrics"]
+
+# (metric, type, help, where in status())
+_GAUGES = (
+    ("memory_capacity_bytes", "gauge", "Bytes of the shared arena", ("memory", "capacity_bytes")),
+    ("memory_used_bytes", "gauge", "Bytes of the arena in use (entries and rooms being filled)", ("memory", "used_bytes")),
+    ("memory_entries", "gauge", "Chunks held in the arena", ("memory", "entries")),
+    ("memory_pinned_entries", "gauge", "Chunks pinned by lookups", ("memory", "pinned_entries")),
+    ("memory_evictions_total", "counter", "Chunks evicted to make room", ("memory", "evictions")),
+    ("memory_allocation_failures_total", "counter", "Allocations that found no room", ("memory", "allocation_failures")),
+    ("clients_connected", "gauge", "Client connections open", ("clients", "connected")),
+    ("clients_disconnected", "gauge", "Connections ended within the lease timeout", ("clients", "disconnected")),
+    ("allocations_held", "gauge", "Rooms handed out and not committed yet", ("clients", "allocations_held")),
+    ("reads_held", "gauge", "Read references clients hold", ("clients", "reads_held")),
+    ("reclaimed_allocations_total", "counter", "Rooms of gone clients reclaimed", ("clients", "reclaimed_allocations")),
+    ("reclaimed_reads_total", "counter", "Read references of gone clients reclaimed", ("clients", "reclaimed_reads")),
+    ("reclaimed_pins_total", "counter", "Pins of gone clients reclaimed", ("clients", "reclaimed_pins")),
+    ("uptime_seconds", "gauge", "Seconds since the server started", ("uptime_s",)),
+)
+# counters of status()["requests"]
+_REQUESTS = (
+    ("lookups", "Lookup requests"), ("lookup_keys", "Chunks asked for in lookups"),
+    ("lookup_hits", "Chunks of the prefix hits lookups found"), ("allocs", "Allocation requests"),
+    ("alloc_chunks", "Rooms allocated"), ("alloc_shortfalls", "Allocation requests that found no room for all"),
+    ("commits", "Commit requests"), ("committed_chunks", "Chunks committed into the index"),
+    ("duplicate_commits", "Commits of a chunk already held (another client stored it)"),
+    ("gets", "Read requests"), ("get_hits", "Chunks read"), ("get_misses", "Chunks asked for and not held"),
+    ("corrupt_payloads", "Lower-tier payloads that failed their checks (misses)"),
+    ("promotions", "Lower-tier hits copied into the arena"), ("request_errors", "Requests refused"),
+)
+
+
+def _dig(status: dict[str, Any], path: tuple[str, ...]) -> Any:
+    value: Any = status
+    for part in path:
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def render(status: dict[str, Any]) -> str:
+    """The status as Prometheus text."""
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, text: str, value: Any, labels: str = "") -> None:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return
+        lines.append(f"# HELP flowkv_server_{name} {text}")
+        lines.append(f"# TYPE flowkv_server_{name} {kind}")
+        lines.append(f"flowkv_server_{name}{labels} {value}")
+
+    for name, kind, text, path in _GAUGES:
+        metric(name, kind, text, _dig(status, path))
+    requests = status.get("requests", {})
+    for name, text in _REQUESTS:
+        metric(f"{name}_total", "counter", text, requests.get(name, 0))
+    tiers = status.get("tiers", {})
+    healthy = status.get("health", {})
+    if tiers:
+        lines.append("# HELP flowkv_server_tier_healthy 1 while a tier is called, 0 while it is skipped")
+        lines.append("# TYPE flowkv_server_tier_healthy gauge")
+        for tier in tiers:
+            lines.append(f'flowkv_server_tier_healthy{{tier="{tier}"}} {int(healthy.get(tier) == "healthy")}')
+        lines.append("# HELP flowkv_server_tier_stat Counters each tier reports (disk, Redis: guard, write-behind)")
+        lines.append("# TYPE flowkv_server_tier_stat gauge")
+        for tier, numbers in tiers.items():
+            for key, value in sorted(numbers.items()):
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    lines.append(f'flowkv_server_tier_stat{{tier="{tier}",stat="{key}"}} {value}')
+    return "\n".join(lines) + "\n"
+
+
+def serve_metrics(server: Any, host: str, port: int) -> http.server.ThreadingHTTPServer:
+    """Serve ``render(server.status())`` at ``http://host:port/metrics`` (``port`` 0: any free port)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the http.server name
+            if self.path.split("?")[0] not in ("/metrics", "/"):
+                self.send_error(404)
+                return
+            body = render(server.status()).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - silence per-request logs
+            pass
+
+    httpd = http.server.ThreadingHTTPServer((host, port), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, name="flowkv-node-metrics", daemon=True).start()
+    return httpd

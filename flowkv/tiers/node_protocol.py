@@ -1,0 +1,312 @@
+"""The node server's wire protocol: framed JSON control messages on a Unix socket, KV in shared memory.
+
+::
+
+    client (a vLLM worker's ``server`` tier)            flowkv server (one per node)
+      |-- hello {client, pid} ------------------------>|  reply: the segment to map (path, bytes,
+      |<-------------------------------------------- --|  inode), server id, lease timeout
+      |   mmap(/dev/shm/flowkv-node-...) once          |
+      |-- lookup {keys, pin, pin_s} ------------------>|  held per key; the leading run pinned
+      |-- alloc {sizes} ------------------------------>|  [handle, offset] per chunk that fits
+      |   gather straight into the mapped pages        |
+      |-- commit {items: [handle, key, nbytes, meta]} >|  admitted per item; allocations handed over
+      |-- get {keys} --------------------------------->|  [handle, offset, nbytes, meta] or null
+      |   scatter straight from the mapped pages       |
+      |== release {handles} (one-way) ===============>|  read references and unused rooms dropped
+      |== unpin / release_owner (one-way) ===========>|
+      |-- stats / events {since, wait_s} / snapshot -->|  status, admit/evict stream for a controller
+
+A frame is a 4-byte little-endian length, then that many bytes of UTF-8
+JSON: an object with ``op`` and ``id`` (a request) or ``id`` and ``ok`` (its
+reply; ``error`` when not ok). ``id`` 0 marks a one-way message, which gets
+no reply; the socket's order guarantees a later request sees its effect.
+Nothing on the socket or in the shared pages is ever unpickled: KV bytes
+are only ever viewed as tensors of the dtype named in a whitelist. A
+request may carry ``trace`` (W3C trace context of the client's current
+span), under which the server opens its own span.
+
+:class:`NodeConnection` is the synchronous client every caller uses (the
+``server`` tier, ``flowkv server status``, a fleet controller): one call at
+a time per connection, each bounded by a timeout; any failure closes the
+connection (a late reply can never be taken for the next call's).
+:func:`map_segment` maps the server's arena; :func:`view` makes a chunk's
+tensor from an offset in it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import mmap
+import os
+import socket
+import struct
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+__all__ = [
+    "MAX_FRAME",
+    "PROTOCOL_VERSION",
+    "NodeConnection",
+    "NodeError",
+    "NodeUnavailable",
+    "Segment",
+    "dense_order",
+    "dtype_from_name",
+    "dtype_name",
+    "map_segment",
+    "segment_prefix",
+    "view",
+]
+
+PROTOCOL_VERSION = 1
+#: The largest frame either side accepts (a request names keys, never KV bytes).
+MAX_FRAME = 64 << 20
+_LENGTH = struct.Struct("<I")
+# Unix socket paths are limited to 107 bytes on Linux.
+_MAX_SOCKET_PATH = 107
+
+# The dtypes a chunk may have: a name from the wire is looked up here, never with getattr.
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in ("float16", "bfloat16", "float32", "float64", "uint8", "int8", "int16", "int32", "int64",
+                 "float8_e4m3fn", "float8_e5m2")
+    if hasattr(torch, name)
+}
+
+
+class NodeUnavailable(ConnectionError):
+    """The server cannot be reached, hung up, or did not answer in time."""
+
+
+class NodeError(RuntimeError):
+    """The server answered, with an error (a bad request; the connection stays usable)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {dtype} cannot be stored on a node server")
+    return name
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; any other string raises ``ValueError``."""
+    try:
+        return _DTYPES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown dtype name {name!r}") from None
+
+
+def dense_order(tensor: torch.Tensor) -> list[int]:
+    """The order of ``tensor``'s dims, outermost first, in which its bytes lie (from its strides)."""
+    return sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d) if tensor.shape[d] > 1 else 0, d))
+
+
+def segment_prefix(socket_path: str | os.PathLike[str]) -> str:
+    """The name every shared-memory segment of the server on ``socket_path`` starts with."""
+    digest = hashlib.sha256(str(Path(socket_path).resolve()).encode()).hexdigest()[:12]
+    return f"flowkv-node-{digest}-"
+
+
+# -- frames ------------------------------------------------------------------------
+
+
+def encode_frame(message: dict[str, Any]) -> bytes:
+    """One frame: length, then the message as compact UTF-8 JSON."""
+    body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+    if len(body) > MAX_FRAME:
+        raise ValueError(f"message of {len(body)} B is over the {MAX_FRAME} B a frame may hold")
+    return _LENGTH.pack(len(body)) + body
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    """A frame's body as a message (a JSON object), or ``ValueError``."""
+    message = json.loads(body)
+    if not isinstance(message, dict):
+        raise ValueError(f"a message is a JSON object, got {type(message).__name__}")
+    return message
+
+
+def frame_length(prefix: bytes) -> int:
+    """The body length a frame's 4-byte prefix announces, checked against ``MAX_FRAME``."""
+    (length,) = _LENGTH.unpack(prefix)
+    if length > MAX_FRAME:
+        raise ValueError(f"frame of {length} B announced, over the {MAX_FRAME} B limit")
+    return length
+
+
+class NodeConnection:
+    """A synchronous connection to a node server: ``call`` (request and reply) and ``send`` (one-way).
+
+    Thread-safe: one call at a time. Every call is bounded by ``timeout_s``;
+    a timeout, a broken socket or an unreadable reply raises
+    :class:`NodeUnavailable` and closes the connection for good (make a new
+    one). An error the server answers raises :class:`NodeError` and leaves
+    the connection open.
+
+    >>> conn = NodeConnection.connect("/run/flowkv/node.sock", timeout_s=1.0)   # doctest: +SKIP
+    >>> conn.call("stats")["entries"]                                             # doctest: +SKIP
+    """
+
+    def __init__(self, sock: socket.socket, *, timeout_s: float) -> None:
+        self._sock: socket.socket | None = sock
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._next_id = 1
+        #: the server's ``hello`` answer, once ``hello`` was called
+        self.hello_reply: dict[str, Any] | None = None
+
+    @classmethod
+    def connect(cls, path: str | os.PathLike[str], *, timeout_s: float) -> NodeConnection:
+        """Connect to the server listening on ``path``; :class:`NodeUnavailable` when none is."""
+        if len(str(path)) > _MAX_SOCKET_PATH:
+            raise ValueError(f"socket path {str(path)!r} is over the {_MAX_SOCKET_PATH} bytes a Unix socket allows")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(str(path))
+        except OSError as exc:
+            sock.close()
+            raise NodeUnavailable(f"no flowkv server on {path}: {exc.strerror or exc}") from exc
+        return cls(sock, timeout_s=timeout_s)
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    def hello(self, client: str, **fields: Any) -> dict[str, Any]:
+        """Introduce this client (an id that names it in the server's status and its pins)."""
+        reply = self.call("hello", client=client, pid=os.getpid(), version=PROTOCOL_VERSION, **fields)
+        if reply.get("version") != PROTOCOL_VERSION:
+            self.close()
+            raise NodeUnavailable(f"server speaks protocol {reply.get('version')}, this client {PROTOCOL_VERSION}")
+        self.hello_reply = reply
+        return reply
+
+    def call(self, op: str, *, timeout_s: float | None = None, **fields: Any) -> dict[str, Any]:
+        """Send a request and wait for its reply (the reply's fields, ``ok`` and ``id`` included)."""
+        with self._lock:
+            sock = self._usable()
+            request_id = self._next_id
+            self._next_id += 1
+            try:
+                sock.settimeout(timeout_s if timeout_s is not None else self.timeout_s)
+                sock.sendall(encode_frame({"op": op, "id": request_id, **fields}))
+                reply = decode_body(self._read_exactly(sock, frame_length(self._read_exactly(sock, 4))))
+            except (OSError, ValueError) as exc:  # socket.timeout is an OSError
+                self._drop()
+                raise NodeUnavailable(f"{op}: {type(exc).__name__}: {exc}") from exc
+            if reply.get("id") != request_id:
+                self._drop()
+                raise NodeUnavailable(f"{op}: reply {reply.get('id')} to request {request_id}")
+        if not reply.get("ok"):
+            raise NodeError(f"{op}: {reply.get('error', 'failed')}")
+        return reply
+
+    def send(self, op: str, **fields: Any) -> None:
+        """A one-way message (no reply): its effect comes before any later request's."""
+        with self._lock:
+            sock = self._usable()
+            try:
+                sock.settimeout(self.timeout_s)
+                sock.sendall(encode_frame({"op": op, "id": 0, **fields}))
+            except (OSError, ValueError) as exc:
+                self._drop()
+                raise NodeUnavailable(f"{op}: {type(exc).__name__}: {exc}") from exc
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def _usable(self) -> socket.socket:
+        if self._sock is None:
+            raise NodeUnavailable("connection closed")
+        return self._sock
+
+    def _drop(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    @staticmethod
+    def _read_exactly(sock: socket.socket, n: int) -> bytes:
+        parts = bytearray()
+        while len(parts) < n:
+            got = sock.recv(n - len(parts))
+            if not got:
+                raise ConnectionResetError("the server closed the connection")
+            parts += got
+        return bytes(parts)
+
+
+# -- the shared arena ------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class Segment:
+    """A server's arena as this process maps it (``buffer`` is a uint8 view of the whole segment)."""
+
+    path: str
+    nbytes: int
+    inode: int
+    buffer: torch.Tensor
+    # The mapping stays alive as long as any tensor views it (torch.frombuffer keeps a reference).
+    _mapping: Any = None
+
+    def close(self) -> None:
+        """Drop this object's references; views handed out keep the mapping until they go."""
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._mapping = None
+
+
+def map_segment(path: str, nbytes: int, inode: int) -> Segment:
+    """Map the server's shared-memory file, shared and writable, checking it is the one announced.
+
+    The inode check refuses a file of the same name that is not the running
+    server's (a stale one left by a server killed with ``kill -9``).
+    """
+    fd = os.open(path, os.O_RDWR)
+    try:
+        stat = os.fstat(fd)
+        if stat.st_ino != inode or stat.st_size < nbytes:
+            raise NodeUnavailable(f"{path} is not the segment the server announced "
+                                  f"(inode {stat.st_ino} vs {inode}, {stat.st_size} B vs {nbytes} B)")
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+    return Segment(path=path, nbytes=nbytes, inode=inode, buffer=buffer, mapping=mapping)
+
+
+def view(buffer: torch.Tensor, offset: int, shape: Sequence[int], dtype: torch.dtype,
+         order: Sequence[int] | None = None) -> torch.Tensor:
+    """The tensor of logical ``shape`` and ``dtype`` whose bytes start at ``offset`` of ``buffer``.
+
+    The bytes lie in ``order`` (dims outermost first; default: ``shape``'s
+    own order, or the ``dim_order`` a chunk shape carries): the view is then
+    the strided logical view of them. No copy.
+    """
+    if order is None:
+        order = getattr(shape, "dim_order", None)
+    shape = tuple(int(d) for d in shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if offset < 0 or offset + nbytes > buffer.numel():
+        raise ValueError(f"{nbytes} B at offset {offset} lie outside the {buffer.numel()} B segment")
+    data = buffer[offset:offset + nbytes].view(dtype)
+    order = tuple(int(d) for d in order) if order is not None else tuple(range(len(shape)))
+    if sorted(order) != list(range(len(shape))):
+        raise ValueError(f"order {order} is not a permutation of the dims of {shape}")
+    if order == tuple(range(len(shape))):
+        return data.view(shape)
+    return data.view(tuple(shape[d] for d in order)).permute(tuple(order.index(d) for d in range(len(shape))))

@@ -1,0 +1,166 @@
+"""Shared pieces of the fleet tests: a real ``flowkv controller`` process, HTTP calls, chunk keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from flowkv.keys import KeyPrefix, chain_hashes
+
+# Readiness bounds (how long a start may take on a loaded 2-core machine), not speed claims.
+READY_TIMEOUT_S = 120.0
+
+
+class ControllerProcess:
+    """``flowkv controller`` in a process of its own, on loopback; ``restart`` keeps its port."""
+
+    def __init__(self, folder: Path, *, token: str | None = None, heartbeat_s: float = 0.5,
+                 timeout_s: float = 3.0) -> None:
+        self.folder = folder
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.token = token
+        self.token_file: Path | None = None
+        if token is not None:
+            self.token_file = folder / "token"
+            self.token_file.write_text(token + "\n")
+        self.heartbeat_s = heartbeat_s
+        self.timeout_s = timeout_s
+        self.port = 0
+        self.url = ""
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self) -> ControllerProcess:
+        command = [str(Path(sys.executable).parent / "flowkv"), "controller", "--host", "127.0.0.1",
+                   "--port", str(self.port), "--heartbeat-s", str(self.heartbeat_s),
+                   "--timeout-s", str(self.timeout_s), "--log-level", "warning"]
+        if self.token_file is not None:
+            command += ["--token-file", str(self.token_file)]
+        self.starts += 1
+        log = open(self.folder / f"controller-{self.starts}.log", "wb")
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL)
+        line = self.proc.stdout.readline().decode()
+        match = re.search(r"listening on (http://[\d.]+:(\d+))", line)
+        if match is None:
+            self.proc.kill()
+            raise RuntimeError(f"flowkv controller did not start: {line!r}\n{self.log_tail()}")
+        self.url, self.port = match.group(1), int(match.group(2))
+        wait_for(lambda: self.get("/health")["status"] == "ok", "the controller answers /health")
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log_tail(self) -> str:
+        logs = sorted(self.folder.glob("controller-*.log"))
+        return logs[-1].read_text(errors="replace")[-3000:] if logs else ""
+
+    # -- HTTP -----------------------------------------------------------------
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(self.url + path, timeout=30) as reply:
+            return json.load(reply)
+
+    def post(self, path: str, body: dict[str, Any], *, token: str | None = "default") -> Any:
+        return post(self.url + path, body, token=self.token if token == "default" else token)
+
+    def lookup(self, **body: Any) -> list[dict[str, Any]]:
+        return self.post("/lookup", body)["holders"]
+
+    def instance(self, instance_id: str) -> dict[str, Any] | None:
+        return next((i for i in self.get("/instances") if i["instance_id"] == instance_id), None)
+
+
+def post(url: str, body: dict[str, Any], *, token: str | None = None) -> Any:
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        return json.load(reply)
+
+
+def status_of(call: Callable[[], Any]) -> int:
+    """The HTTP status a call ends with (200 when it returns)."""
+    try:
+        call()
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    return 200
+
+
+def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = READY_TIMEOUT_S) -> Any:
+    """Poll ``condition`` until it is truthy (a readiness bound, not a speed claim)."""
+    deadline = time.monotonic() + timeout_s
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = condition()
+            if value:
+                return value
+        except (OSError, urllib.error.URLError, KeyError, TypeError) as exc:
+            last_error = exc
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting until {what}" + (f" (last error: {last_error})" if last_error else ""))
+
+
+def chunk_keys(tokens: Sequence[int], *, chunk_size: int, hash_name: str = "sha256", model: str = "m",
+               world_size: int = 1, rank: int = 0, tags: dict[str, str] | None = None,
+               partial: bool = False) -> list[str]:
+    """The cache keys an instance with these settings gives the chunks of ``tokens``."""
+    prefix = KeyPrefix.build(model=model, world_size=world_size, worker_rank=rank, dtype="bfloat16",
+                             layout="test-layout", tags=tags)
+    return [prefix.key(h).to_str() for h in chain_hashes(list(tokens), chunk_size, hash_name, partial=partial)]
+
+
+def reporter_script(url: str, instance_id: str, keys: Sequence[str], *, chunk_size: int,
+                    hash_name: str = "sha256", token_file: Path | None = None, heartbeat_s: float = 0.5) -> str:
+    """Python source of a process that registers as ``instance_id``, admits ``keys`` and lives on."""
+    return f"""
+import time
+from flowkv.fleet.protocol import Registration, TierInfo
+from flowkv.fleet.reporter import Reporter, ReporterConfig, new_session
+registration = Registration(instance_id={instance_id!r}, session=new_session(), model="m",
+                            tiers=[TierInfo(name="memory", kind="memory", capacity_bytes=1 << 30)],
+                            chunk_size={chunk_size}, hash={hash_name!r}, url="http://{instance_id}.invalid")
+reporter = Reporter(ReporterConfig(url={url!r}, heartbeat_s={heartbeat_s},
+                                   token_file={str(token_file) if token_file else None!r}), registration).start()
+for key in {list(keys)!r}:
+    reporter.offer("admit", "memory", key)
+print("ready" if reporter.wait_idle(120) else "not synced", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def start_reporter_process(url: str, instance_id: str, keys: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", reporter_script(url, instance_id, keys, **kwargs)],
+                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=dict(os.environ))
+    line = proc.stdout.readline().decode().strip()
+    assert line == "ready", f"reporter process for {instance_id} said {line!r}"
+    return proc

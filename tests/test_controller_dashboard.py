@@ -1,0 +1,144 @@
+"""The dashboard in a real headless browser (Debian's chromium through chromium-driver and selenium).
+
+A live controller with three registered instances (two up, one down) and
+the history of their heartbeats; the test reads the page as a person would:
+the instances with their state, model, pipeline and tier fill, a hit-rate
+line per instance, latency percentiles, recent events, and a prompt pasted
+into the lookup box naming the instance that holds it. The last screenshot is
+written to ``docs/dashboard.png`` when ``FLOWKV_WRITE_SCREENSHOT`` is set.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from fleet_helpers import ControllerProcess, chunk_keys, wait_for
+from flowkv.fleet.protocol import Registration, TierInfo
+from flowkv.fleet.reporter import Reporter, ReporterConfig, new_session
+from flowkv.fleet.tokens import Tokenizers
+from vllm_helpers import tiny_model_dir
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+DOCUMENT = ("The Amazon rainforest covers much of the Amazon basin of South America. " * 12).strip()
+
+pytestmark = pytest.mark.skipif(not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
+                                reason="needs Debian's chromium and chromium-driver (make setup installs them)")
+
+
+class Counters:
+    """What an instance's engine counters say at each heartbeat: lookups that hit more and more."""
+
+    def __init__(self, hit_share: float, capacity: int) -> None:
+        self.beats = 0
+        self.hit_share = hit_share
+        self.capacity = capacity
+
+    def __call__(self) -> dict:
+        self.beats += 1
+        asked = 1000 * self.beats
+        share = min(1.0, self.hit_share * (1 + self.beats / 10))
+        return {"counters": {"lookup_requested_tokens": asked, "lookup_hit_tokens": int(asked * share)},
+                "tiers": {"memory": {"used_bytes": int(self.capacity * min(0.9, 0.1 * self.beats)),
+                                     "capacity_bytes": self.capacity}}}
+
+
+def instance(url: str, instance_id: str, *, pipeline: str, stats: Counters) -> Reporter:
+    registration = Registration(
+        instance_id=instance_id, session=new_session(), model="tiny", tokenizer=str(tiny_model_dir()),
+        url=f"http://127.0.0.1:{8000 + ord(instance_id[-1]) - ord('a')}", pipeline=pipeline, chunk_size=16, hash="sha256_cbor",
+        tiers=[TierInfo(name="memory", kind="memory", capacity_bytes=stats.capacity),
+               TierInfo(name="disk", kind="disk", capacity_bytes=8 << 30)])
+    reporter = Reporter(ReporterConfig(url=url, heartbeat_s=0.3), registration, stats=stats).start()
+    reporter.observe_latencies({"store": [2.0, 2.5, 3.1, 9.0], "retrieve": [0.8, 1.1, 1.2, 4.0]})
+    return reporter
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        options.add_argument(flag)
+    profile = Path(os.environ.get("TMPDIR", "/tmp")) / f"flowkv-chromium-{os.getpid()}"
+    options.add_argument(f"--user-data-dir={profile}")
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+def test_the_dashboard_shows_instances_hit_rate_latency_events_and_answers_a_pasted_prompt(tmp_path, browser):
+    from selenium.webdriver.common.by import By
+
+    controller = ControllerProcess(tmp_path / "controller", timeout_s=2.0).start()
+    reporters = []
+    try:
+        tokens = Tokenizers().encode(str(tiny_model_dir()), prompt=DOCUMENT)
+        holder = instance(controller.url, "vllm-a", pipeline="cpu-disk", stats=Counters(0.3, 4 << 30))
+        other = instance(controller.url, "vllm-b", pipeline="local-cpu", stats=Counters(0.1, 2 << 30))
+        gone = instance(controller.url, "vllm-c", pipeline="local-cpu", stats=Counters(0.0, 2 << 30))
+        reporters += [holder, other, gone]
+        assert all(r.wait_idle(60) for r in reporters)
+        keys = chunk_keys(tokens, chunk_size=16, hash_name="sha256_cbor", model="tiny")
+        for key in keys[:-2]:
+            holder.offer("admit", "memory", key)
+        holder.offer("admit", "disk", keys[-2])
+        other.offer("admit", "memory", keys[0])
+        gone.close()
+        assert holder.wait_idle(60) and other.wait_idle(60)
+        wait_for(lambda: controller.instance("vllm-c")["state"] == "down", "vllm-c is marked down")
+        # Some heartbeats, so the hit-rate chart has points.
+        wait_for(lambda: len(controller.get("/api/history").get("vllm-a", [])) >= 4, "heartbeats carry stats")
+
+        browser.get(controller.url + "/")
+        rows = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#instances tbody tr[data-instance]"),
+                        "the instances table is filled", timeout_s=60)
+        table = {row.get_attribute("data-instance"): row.text for row in rows}
+        assert set(table) == {"vllm-a", "vllm-b", "vllm-c"}
+        assert "up" in table["vllm-a"] and "cpu-disk" in table["vllm-a"] and "tiny" in table["vllm-a"]
+        assert "down" in table["vllm-c"]
+        summary = browser.find_element(By.ID, "summary").text
+        assert summary == "3 instances · 2 up · 1 down"
+        # Tier fill: one bar per tier, memory filling as heartbeats report it.
+        bars = browser.find_elements(By.CSS_SELECTOR, 'tr[data-instance="vllm-a"] .tier')
+        assert [bar.get_attribute("data-tier") for bar in bars] == ["memory", "disk"]
+        assert f"{len(keys) - 2} chunks" in bars[0].text and "1 chunks" in bars[1].text
+        assert int(bars[0].find_element(By.TAG_NAME, "em").text.rstrip("%")) > 0
+        # Hit rate over time: a line per instance that reports lookups.
+        wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#hitrate polyline"), "the hit-rate chart is drawn")
+        assert "vllm-a" in browser.find_element(By.ID, "hitrate-legend").text
+        latency = browser.find_element(By.ID, "latency").text
+        assert "store" in latency and "retrieve" in latency and "9.00" in latency
+        events = browser.find_element(By.ID, "events").text
+        assert "admit" in events and "vllm-a" in events and "down" in events
+
+        # Paste the document into the lookup box: vllm-a holds its longest prefix, vllm-b one chunk.
+        box = browser.find_element(By.ID, "lookup-text")
+        box.send_keys(DOCUMENT)
+        browser.find_element(By.ID, "lookup-button").click()
+        answers = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#lookup-result tr[data-instance]"),
+                           "the lookup answers", timeout_s=60)
+        assert [row.get_attribute("data-instance") for row in answers] == ["vllm-a", "vllm-b"]
+        cells = answers[0].find_elements(By.TAG_NAME, "td")
+        assert int(cells[2].text) == 16 * (len(keys) - 1)
+        assert cells[3].text == f"memory: {len(keys) - 2}, disk: 1"
+        assert browser.find_element(By.ID, "lookup-status").text.startswith(f"{len(tokens)} tokens · 2 holders")
+        time.sleep(2.5)  # one more refresh, so the screenshot shows a settled page
+        if os.environ.get("FLOWKV_WRITE_SCREENSHOT"):
+            browser.set_window_size(1400, 1150)
+            browser.save_screenshot(str(Path(__file__).resolve().parent.parent / "docs" / "dashboard.png"))
+    finally:
+        for reporter in reporters:
+            reporter.close()
+        controller.close()

@@ -1,0 +1,213 @@
+"""``flowkv route``'s choices, with a real controller and router process and two small stand-in backends.
+
+The backends are plain HTTP servers in this process that answer
+``/v1/completions`` with their own name (a request with ``"hold": true`` is
+answered only when the test lets it go, so it stays in flight); the holders
+are real ``Reporter`` objects registered with the backends' URLs. Prompts are
+token ids, so no tokenizer is involved. With real vLLM instances behind it:
+``test_controller_vllm.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from fleet_helpers import ControllerProcess, chunk_keys, wait_for
+from flowkv.fleet.protocol import Registration, TierInfo
+from flowkv.fleet.reporter import Reporter, ReporterConfig, new_session
+
+TOKEN = "route-token"
+
+
+class Backend:
+    """A stand-in for a vLLM server: answers with its name; ``"hold": true`` waits for ``release``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.release = threading.Event()
+        self.held = 0
+        self.bodies: list[dict] = []
+        backend = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                backend.bodies.append(body)
+                if body.get("hold"):
+                    backend.held += 1
+                    backend.release.wait(120)
+                if body.get("stream"):
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.end_headers()
+                    for n in range(3):
+                        self.wfile.write(f"data: {json.dumps({'backend': backend.name, 'n': n})}\n\n".encode())
+                        self.wfile.flush()
+                    self.wfile.write(b"data: [DONE]\n\n")
+                    return
+                payload = json.dumps({"backend": backend.name, "object": "text_completion"}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    controller = ControllerProcess(tmp_path / "controller", token=TOKEN, heartbeat_s=0.3, timeout_s=5.0).start()
+    backends = {name: Backend(name) for name in ("a", "b")}
+    reporters = {}
+    for name, backend in backends.items():
+        registration = Registration(instance_id=name, session=new_session(), model="m", url=backend.url,
+                                    chunk_size=16, hash="sha256", tiers=[TierInfo(name="memory", kind="memory")])
+        reporters[name] = Reporter(ReporterConfig(url=controller.url, heartbeat_s=0.3,
+                                                  token_file=str(controller.token_file)), registration).start()
+    routes: list[subprocess.Popen] = []
+
+    def route(*args: str) -> str:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "flowkv"), "route", "--port", "0",
+                                 "--backend", backends["a"].url, "--backend", backends["b"].url,
+                                 "--log-level", "warning", *args],
+                                stdout=subprocess.PIPE, stderr=open(tmp_path / "route.log", "ab"),
+                                stdin=subprocess.DEVNULL)
+        routes.append(proc)
+        line = proc.stdout.readline().decode()
+        assert "listening on http://" in line, line
+        url = line.split("listening on ")[1].strip()
+        wait_for(lambda: get(url + "/health")["status"] == "ok", "route is up")
+        return url
+
+    try:
+        yield {"controller": controller, "backends": backends, "reporters": reporters, "route": route}
+    finally:
+        for proc in routes:
+            proc.terminate()
+            proc.wait(timeout=30)
+        for reporter in reporters.values():
+            reporter.close()
+        for backend in backends.values():
+            backend.close()
+        controller.close()
+
+
+def get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=60) as reply:
+        return json.load(reply)
+
+
+def complete(url: str, prompt: list[int], **extra) -> tuple[dict, dict]:
+    body = {"model": "m", "prompt": prompt, "max_tokens": 1, **extra}
+    request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        return json.load(reply), dict(reply.headers)
+
+
+def hold(url: str, prompt: list[int]) -> threading.Thread:
+    """A request that stays in flight until its backend is released."""
+    thread = threading.Thread(target=complete, args=(url, prompt), kwargs={"hold": True}, daemon=True)
+    thread.start()
+    return thread
+
+
+def admit(fleet, name: str, tokens: list[int], chunks: int) -> None:
+    reporter = fleet["reporters"][name]
+    for key in chunk_keys(tokens, chunk_size=16)[:chunks]:
+        reporter.offer("admit", "memory", key)
+    assert reporter.wait_idle(60)
+
+
+DOC = list(range(2000, 2128))  # 8 chunks of 16
+
+
+def test_the_longest_cached_prefix_wins_and_a_tie_goes_to_the_less_loaded(fleet):
+    url = fleet["route"]("--controller", fleet["controller"].url, "--lookup-timeout-s", "30")
+    admit(fleet, "a", DOC, 2)
+    admit(fleet, "b", DOC, 5)
+    reply, headers = complete(url, DOC)
+    assert reply["backend"] == "b"
+    assert headers["x-flowkv-route"] == "longest-prefix" and headers["x-flowkv-matched-tokens"] == "80"
+
+    # Equal prefixes: the one with fewer requests in flight (a request held at b keeps it busier).
+    admit(fleet, "a", DOC, 5)
+    busy = hold(url, list(range(90_000, 90_040)))
+    wait_for(lambda: fleet["backends"]["a"].held + fleet["backends"]["b"].held == 1, "one request is held")
+    loaded = "a" if fleet["backends"]["a"].held else "b"
+    reply, headers = complete(url, DOC)
+    assert headers["x-flowkv-route"] == "tie-by-load" and reply["backend"] != loaded
+    fleet["backends"][loaded].release.set()
+    busy.join(60)
+
+
+def test_a_holder_too_far_ahead_in_requests_in_flight_is_passed_over(fleet):
+    url = fleet["route"]("--controller", fleet["controller"].url, "--lookup-timeout-s", "30",
+                         "--max-in-flight-gap", "1")
+    admit(fleet, "a", DOC, 8)
+    # Two requests held at a (each a prompt that a holds a prefix of, so both go there).
+    held = [hold(url, DOC + [n]) for n in range(2)]
+    wait_for(lambda: fleet["backends"]["a"].held == 2, "two requests are held at a")
+    reply, _ = complete(url, DOC)
+    assert reply["backend"] == "b"  # a is 2 ahead of b, more than the gap of 1
+    stats = get(url + "/stats")
+    assert stats["decisions"]["holder_overloaded"] >= 1 and stats["in_flight"][fleet["backends"]["a"].url] == 2
+    fleet["backends"]["a"].release.set()
+    for thread in held:
+        thread.join(60)
+    wait_for(lambda: get(url + "/stats")["in_flight"][fleet["backends"]["a"].url] == 0, "a's requests are done")
+    assert complete(url, DOC)[0]["backend"] == "a"
+
+
+def test_a_new_prompt_sticks_to_where_its_opening_went_and_streams_pass_through(fleet):
+    url = fleet["route"]("--controller", fleet["controller"].url, "--lookup-timeout-s", "30")
+    fresh = list(range(7000, 7100))
+    first, headers = complete(url, fresh)
+    assert headers["x-flowkv-route"] == "no-holder"
+    for _ in range(3):  # nobody reported it yet: the same opening goes to the same backend
+        reply, headers = complete(url, fresh)
+        assert reply["backend"] == first["backend"] and headers["x-flowkv-route"] == "recent-affinity"
+
+    body = {"model": "m", "prompt": fresh, "max_tokens": 1, "stream": True}
+    request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        lines = [line.decode().strip() for line in reply if line.strip()]
+    assert lines[-1] == "data: [DONE]"
+    assert [json.loads(line[len("data: "):])["n"] for line in lines[:-1]] == [0, 1, 2]
+
+
+def test_round_robin_alternates_and_a_missing_controller_falls_back_to_load(fleet):
+    url = fleet["route"]("--policy", "round-robin")
+    admit(fleet, "a", DOC, 8)
+    served = [complete(url, DOC)[0]["backend"] for _ in range(4)]
+    assert served in (["a", "b", "a", "b"], ["b", "a", "b", "a"])
+
+    fleet["controller"].kill()
+    url = fleet["route"]("--controller", fleet["controller"].url, "--lookup-timeout-s", "2")
+    replies = [complete(url, DOC) for _ in range(2)]
+    assert {headers["x-flowkv-route"] for _, headers in replies} == {"lookup-failed"}
+    assert sorted(reply["backend"] for reply, _ in replies) == ["a", "b"]
