@@ -53,6 +53,7 @@ import torch
 from flowkv import payload as payloads
 from flowkv.memory import MemoryArena
 from flowkv.pipeline_model import Pipeline, TelemetrySpec
+from flowkv.resident import ResidentBuffer
 from flowkv.tiers import node_protocol as wire
 from flowkv.tiers.chain import Entry, StorageManager, TierEvent
 from flowkv.tiers.memory import MemoryTier
@@ -123,7 +124,7 @@ class NodeServer:
         self.buffer = buffer
         self.inode = os.stat(self.segment_path).st_ino
         try:
-            self.memory = MemoryTier.on_arena(_arena_over(buffer, options.memory_bytes, options.slab_bytes))
+            self.memory = MemoryTier.on_arena(_arena_over(self._mapping, options.memory_bytes, options.slab_bytes))
             self.storage = self._storage()
         except BaseException:
             self._remove_segment()
@@ -586,17 +587,11 @@ class NodeServer:
 # -- helpers -----------------------------------------------------------------------------
 
 
-def _arena_over(buffer: torch.Tensor, capacity: int, slab_bytes: int) -> MemoryArena:
-    """A page arena whose pages are ``buffer`` (the shared segment).
-
-    MemoryArena allocates its own buffer; a virtual one of the same size
-    costs no memory until touched, and is dropped for the segment at once.
-    (When the ``perf`` track's ResidentBuffer lands, the arena takes the
-    segment as its backing and pre-faults it; this goes.)
-    """
-    arena = MemoryArena(capacity, slab_bytes=slab_bytes, pin_memory=False)
-    arena.buffer = buffer[: arena.num_pages * arena.page_bytes]
-    return arena
+def _arena_over(mapping: mmap.mmap, capacity: int, slab_bytes: int) -> MemoryArena:
+    """A page arena whose pages are the shared segment ``mapping`` (from its first byte,
+    as ``self.buffer``), pre-faulted in the background like an engine's arena."""
+    backing = ResidentBuffer.wrap(mapping, len(mapping), shared=True)
+    return MemoryArena(capacity, slab_bytes=slab_bytes, pin_memory=False, backing=backing)
 
 
 def _describe(obj: Any, key: str, nbytes: Any, meta: Any) -> None:
