@@ -240,16 +240,6 @@ class ResidentBuffer:
                    reserve_bytes=reserve_bytes)
 
     @classmethod
-    def wrap(cls, mapping: mmap.mmap, nbytes: int, *, shared: bool, prefault: PrefaultMode = "background",
-             huge_pages: bool = True, reserve_bytes: int | None = None) -> ResidentBuffer:
-        """The first ``nbytes`` of a mapping made elsewhere (a node server's segment), pre-faulted
-        like the others. The caller keeps the mapping open as long as the buffer is used."""
-        if not 0 <= nbytes <= len(mapping):
-            raise ValueError(f"nbytes {nbytes} does not fit a mapping of {len(mapping)} B")
-        return cls(mapping, nbytes, offset=0, shared=shared, huge_pages=huge_pages, prefault=prefault,
-                   reserve_bytes=reserve_bytes)
-
-    @classmethod
     def shared(cls, path: str | os.PathLike[str], nbytes: int, *, create: bool = True,
                prefault: PrefaultMode = "background", huge_pages: bool = True,
                reserve_bytes: int | None = None) -> ResidentBuffer:

@@ -3,7 +3,6 @@ mincore (the kernel's own answer), never with timings."""
 
 from __future__ import annotations
 
-import mmap
 import os
 import uuid
 from pathlib import Path
@@ -120,16 +119,6 @@ def test_shared_buffer_is_resident_for_every_process_that_maps_it():
         owner.close()
         owner.unlink()
     assert not path.exists()
-
-
-def test_a_mapping_made_elsewhere_is_pre_faulted_and_backs_an_arena():
-    mapping = mmap.mmap(-1, 8 * MiB)
-    wrapped = ResidentBuffer.wrap(mapping, 8 * MiB, shared=False, prefault="now")
-    assert resident_pages(wrapped.tensor) == pages(8 * MiB) and wrapped.prefault_state == "done"
-    arena = MemoryArena(8 * MiB, slab_bytes=MiB, backing=wrapped)
-    assert arena.buffer.data_ptr() == wrapped.tensor.data_ptr()  # the mapping's own bytes, from its start
-    with pytest.raises(ValueError, match="does not fit"):
-        ResidentBuffer.wrap(mapping, 16 * MiB, shared=False)
 
 
 def test_node_server_segment_is_resident_after_start(node_servers):
