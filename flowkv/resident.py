@@ -10,9 +10,8 @@ into touched ones.
 `ResidentBuffer` maps a buffer — anonymous, or a named file in shared memory
 (``/dev/shm``, which a node server and its clients map alike) — asks for
 transparent huge pages where the OS offers them, and pre-faults it: at once
-(``prefault="now"``) or on a low-priority background thread
-(``"background"``, so a large arena does not delay the inference engine's
-start). Pre-faulting uses ``madvise(MADV_POPULATE_WRITE)``, which backs the
+(``prefault="now"``) or on a background thread (``"background"``, so a
+large arena does not delay the inference engine's start). Pre-faulting uses ``madvise(MADV_POPULATE_WRITE)``, which backs the
 pages without changing their bytes, so it is safe while stores already write
 into the buffer. It never takes the machine's available memory below a
 reserve: an arena larger than the memory there is pre-faulted only as far as
@@ -64,8 +63,16 @@ HUGE_PAGE_BYTES = 2 << 20
 # Linux >= 5.14; Python's mmap module names it only from 3.13 on.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 # Pre-faulting works in steps of this many bytes: between two steps it checks the
-# memory reserve and whether it was asked to stop.
-_STEP_BYTES = 64 << 20
+# memory reserve and whether it was asked to stop. Each step holds the process's
+# memory-map lock (read) while the kernel zeroes its pages, and every mmap/munmap
+# of the process (torch's large allocations) waits for it: one huge page's worth
+# keeps that wait short. (64 MiB steps on a thread at nice 19 stalled an allocating
+# thread for up to 18 s on this loaded 2-core machine: the low-priority thread held
+# the lock while it waited for a core.)
+_STEP_BYTES = HUGE_PAGE_BYTES
+# The memory reserve is checked for this many bytes ahead at a time (reading
+# /proc/meminfo costs about a quarter of a step).
+_CHECK_BYTES = 64 << 20
 _THP = Path("/sys/kernel/mm/transparent_hugepage")
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -276,21 +283,24 @@ class ResidentBuffer:
             self._thread.start()
 
     def _populate(self) -> None:
-        if self._thread is not None:
-            try:  # yield the cores to the inference engine while it starts
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            except (AttributeError, OSError):
-                pass
+        # The background thread keeps the process's priority: one that waits for a core
+        # while it holds the memory-map lock makes the engine's allocations wait too.
         self._state = "running"
         base = _address(self.tensor)
+        checked_until = 0  # the reserve was checked for the bytes below this
         try:
             while self._resident < self.nbytes:
                 if self._stop.is_set():
                     self._state = "stopped: asked to stop"
                     return
                 step = min(_STEP_BYTES, self.nbytes - self._resident)
-                available = available_memory()
-                if available is not None and available - step < self._reserve:
+                if self._resident >= checked_until:
+                    ahead = min(_CHECK_BYTES, self.nbytes - self._resident)
+                    available = available_memory()
+                    checked_until = self._resident + ahead
+                else:
+                    ahead, available = 0, None
+                if available is not None and available - ahead < self._reserve:
                     self._state = (f"stopped: {self._resident} of {self.nbytes} B resident; going on would leave "
                                    f"less than {self._reserve} B of memory available")
                     log.warning("flowkv: pre-faulted %.1f of %.1f GiB of the memory arena and stopped: the rest "

@@ -78,10 +78,13 @@ def test_a_node_servers_chunks_count_for_every_instance_that_reads_through_it(co
     server = node_servers("fleet", memory="1MiB")
     name = default_server_name(server.socket)
     follower = node_report(controller, server.socket, tmp_path)
-    a = engine(node_pipeline(tmp_path, server.socket, name="a"))
-    b = engine(node_pipeline(tmp_path, server.socket, name="b"))
-    holders = [holder(controller, a, "a"), holder(controller, b, "b")]
+    engines, holders = [], []
     try:
+        a = engine(node_pipeline(tmp_path, server.socket, name="a"))
+        engines.append(a)
+        b = engine(node_pipeline(tmp_path, server.socket, name="b"))
+        engines.append(b)
+        holders += [holder(controller, a, "a"), holder(controller, b, "b")]
         # Registration: the server by its name, kind server; each instance lists it in `shared`.
         node = wait_for(lambda: controller.instance(name), "the node server is registered")
         assert node["kind"] == "server" and node["state"] == "up"
@@ -131,8 +134,8 @@ def test_a_node_servers_chunks_count_for_every_instance_that_reads_through_it(co
     finally:
         for h in holders:
             h.close()
-        a.close()
-        b.close()
+        for e in engines:
+            e.close()
         if follower.poll() is None:
             follower.terminate()
             follower.wait(timeout=30)
@@ -154,9 +157,9 @@ def test_vllm_through_a_node_server_is_found_by_the_controller_and_so_is_every_i
                "token_file": str(controller.token_file), "advertise_url": "http://v.invalid"}
     pipeline = node_pipeline(tmp_path, server.socket, name="node-fleet", chunk_size=CHUNK_SIZE,
                              sections={"controller": section})
-    llm = make_llm({"pipeline": str(pipeline)})
-    other = None
+    llm = other = None
     try:
+        llm = make_llm({"pipeline": str(pipeline)})
         registered = wait_for(lambda: controller.instance("v"), "the vLLM instance is registered")
         assert registered["shared"] == [name] and registered["kind"] == "vllm"
         doc = random_tokens(500, 4 * CHUNK_SIZE)
@@ -175,6 +178,7 @@ def test_vllm_through_a_node_server_is_found_by_the_controller_and_so_is_every_i
     finally:
         if other is not None:
             other.close()
-        shutdown_llm(llm)
+        if llm is not None:
+            shutdown_llm(llm)
         follower.terminate()
         follower.wait(timeout=30)

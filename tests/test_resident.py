@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from node_servers import node_servers, wait_for  # noqa: F401 - node_servers is a fixture
 
 from flowkv import CacheEngine
 from flowkv.kernels import KVGeometry
@@ -118,6 +119,16 @@ def test_shared_buffer_is_resident_for_every_process_that_maps_it():
         owner.close()
         owner.unlink()
     assert not path.exists()
+
+
+def test_node_server_segment_is_resident_after_start(node_servers):
+    server = node_servers("resident", memory="32MiB")
+    (segment,) = server.segments()
+    view = ResidentBuffer.shared(segment, 32 * MiB, create=False, prefault="off")
+    try:  # the segment's pages belong to the file: this process sees what the server made resident
+        wait_for(lambda: resident_pages(view.tensor) == pages(32 * MiB), "the server's arena pre-fault")
+    finally:
+        view.close()
 
 
 def test_huge_pages_are_advised_only_where_the_os_offers_them():

@@ -182,6 +182,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     capacity = (chunks + 1) * geometry.token_bytes * chunk
     overrides = {"tiers.memory.capacity": capacity, "tiers.memory.pin_memory": False}
     engine = CacheEngine.from_pipeline(args.pipeline, geometry=geometry, model_name="bench", overrides=overrides)
+    # Steady state: the arena's pre-fault is over (a store that ran beside it would measure the pre-fault).
+    engine.memory.arena.wait_resident(timeout=_PREFAULT_WAIT_S)
     codec, params = _codec_of(engine.pipeline)
     kv_bytes = n * geometry.token_bytes
     num_blocks = -(-n // args.block_size) + 1
