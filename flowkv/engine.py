@@ -30,6 +30,7 @@ import torch
 from flowkv import telemetry
 from flowkv.accounting import Accounting
 from flowkv.calls import KVTransfer, LookupResult, RetrieveResult, StoreResult
+from flowkv.clock import Clock
 from flowkv.executor import Executor
 from flowkv.items import Request, Services
 from flowkv.kernels import KVGeometry
@@ -57,7 +58,9 @@ class CacheEngine:
         model_name: str,
         world_size: int = 1,
         rank: int = 0,
+        clock: Clock | None = None,
     ) -> None:
+        """``clock`` paces pin deadlines and the pin timer (`flowkv.clock.ManualClock` in tests)."""
         self.pipeline = pipeline
         self.geometry = geometry
         self.model_name = model_name
@@ -73,7 +76,7 @@ class CacheEngine:
         self.storage = StorageManager.from_specs(
             pipeline.tiers, slab_bytes=geometry.token_bytes * self.chunk_size + _SLAB_MARGIN,
             pin_timeout_s=pipeline.section.pin_timeout_s, world_size=world_size, rank=rank,
-            counters=self.accounting,
+            counters=self.accounting, clock=clock,
         )
         self.services = Services(geometry=geometry, chunk_size=self.chunk_size,
                                  save_partial_chunks=self.save_partial_chunks, keys=self.keys,
@@ -91,11 +94,13 @@ class CacheEngine:
         world_size: int = 1,
         rank: int = 0,
         overrides: Mapping[str, Any] | None = None,
+        clock: Clock | None = None,
     ) -> CacheEngine:
         """An engine for a pipeline given by built-in name, path or loaded ``Pipeline``."""
         if not isinstance(pipeline, Pipeline):
             pipeline = load_pipeline(pipeline, overrides=overrides)
-        return cls(pipeline, geometry=geometry, model_name=model_name, world_size=world_size, rank=rank)
+        return cls(pipeline, geometry=geometry, model_name=model_name, world_size=world_size, rank=rank,
+                   clock=clock)
 
     # -- the API ----------------------------------------------------------
 

@@ -6,6 +6,8 @@
   any supported layout, and slot mappings shaped the way vLLM makes them.
 - ``tiny_model(path)``: a random-weight Llama and a locally trained tokenizer
   that vLLM loads, for end-to-end tests without a model hub.
+- ``ManualClock``: a clock that moves when the test says so; pass it as
+  ``CacheEngine(..., clock=...)`` and pin deadlines and the pin timer follow it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from flowkv._testing.paged import make_paged_kv, random_slot_mapping
+from flowkv.clock import ManualClock
 from flowkv.items import RunContext
 from flowkv.registry import RegistryError
 from flowkv.runner import BoundStage, Runner
@@ -56,4 +59,4 @@ def tiny_model(path: Any, **kwargs: Any) -> Any:
     return build(path, **kwargs)
 
 
-__all__ = ["make_paged_kv", "random_slot_mapping", "run_stage", "tiny_model"]
+__all__ = ["ManualClock", "make_paged_kv", "random_slot_mapping", "run_stage", "tiny_model"]

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import random
-import time
 
 import torch
 
 from flowkv import CacheEngine
 from flowkv.kernels import KVGeometry
+from flowkv.testing import ManualClock
 from flowkv._testing.paged import make_paged_kv, random_slot_mapping
 
 CHUNK = 32
@@ -18,9 +18,12 @@ GEOMETRY = KVGeometry("cpu", num_layers=2, num_kv_heads=2, head_size=16, block_s
 SLAB = -(-(GEOMETRY.token_bytes * CHUNK) // 4096) * 4096
 
 
-def engine(slabs: int = 64, **overrides) -> CacheEngine:
+def engine(slabs: int = 64, clock: ManualClock | None = None, **overrides) -> CacheEngine:
+    """An engine whose pin deadlines and pin timer follow ``clock`` (a fresh ManualClock by default):
+    no pin expires unless the test moves the clock."""
     settings = {"chunk_size": CHUNK, "tiers.memory.capacity": slabs * SLAB, **overrides}
-    return CacheEngine.from_pipeline("local-cpu", geometry=GEOMETRY, model_name="tiny", overrides=settings)
+    return CacheEngine.from_pipeline("local-cpu", geometry=GEOMETRY, model_name="tiny", overrides=settings,
+                                     clock=clock or ManualClock())
 
 
 def tokens(n: int, seed: int) -> torch.Tensor:
@@ -83,15 +86,32 @@ def test_pins_keep_chunks_from_eviction_until_retrieve():
     assert e.lookup(first) == 0
 
 
-def test_pins_expire_on_the_engines_next_call():
+def test_pins_expire_at_their_deadline_without_any_call():
+    clock = ManualClock()
+    timeout_s = 2.0
+    e = engine(slabs=4, clock=clock, pin_timeout_s=timeout_s)
+    ids = tokens(4 * CHUNK, seed=0)
+    store(e, ids)
+    e.lookup(ids, pin=True, lookup_id="abandoned")
+    clock.advance(timeout_s - 0.01)
+    e.lookup(tokens(CHUNK, seed=5))  # a call before the deadline expires nothing
+    assert pinned(e) == 4
+    # No call after this: the storage manager's own timer drops the pins at its next tick.
+    clock.advance(0.01 + e.storage.pin_timer_interval_s)
+    assert pinned(e) == 0
+    # A full arena of expired pins does not stop a store.
+    assert store(e, tokens(2 * CHUNK, seed=1)) == 2 * CHUNK
+
+
+def test_pins_past_their_deadline_are_gone_for_the_engines_next_call():
     for next_call in ("lookup", "store", "retrieve"):
-        e = engine(slabs=4, pin_timeout_s=0.05)
+        clock = ManualClock()
+        e = engine(slabs=4, clock=clock, pin_timeout_s=0.05)
         ids = tokens(4 * CHUNK, seed=0)
         store(e, ids)
         e.lookup(ids, pin=True, lookup_id="abandoned")
-        time.sleep(0.1)
-        # Nothing expires on its own; the next call does it.
         assert pinned(e) == 4, next_call
+        clock.advance(0.1)
         other = tokens(2 * CHUNK, seed=1)
         if next_call == "lookup":
             e.lookup(other)
@@ -105,16 +125,24 @@ def test_pins_expire_on_the_engines_next_call():
 
 def test_no_pin_or_slab_survives_1000_mixed_operations():
     timeout_s = 0.5
-    e = engine(slabs=12, pin_timeout_s=timeout_s)
+    step_s = 0.01  # each operation moves the clock on; a pin lives 50 operations
+    clock = ManualClock()
+    e = engine(slabs=12, clock=clock, pin_timeout_s=timeout_s)
     rng = random.Random(0)
     base = tokens(8 * CHUNK, seed=0)
     # Prompts share prefixes, like requests with one system prompt.
     prompts = [base[: rng.randint(1, 8 * CHUNK)] for _ in range(6)] + [tokens(5 * CHUNK, seed=s) for s in (1, 2)]
     dst = make_paged_kv(GEOMETRY, NUM_BLOCKS, seed=3, fill=False)
     open_lookups: dict[str, tuple[torch.Tensor, int, float]] = {}
-    abandoned = 0
+    abandoned = expired = 0
 
     for step in range(1000):
+        clock.advance(step_s)
+        # A lookup nobody came back for within its pin timeout is abandoned: its pins expire.
+        for lookup_id, (_, _, when) in list(open_lookups.items()):
+            if clock.now() - when >= timeout_s - step_s:
+                del open_lookups[lookup_id]
+                expired += 1
         op = rng.choice(["store", "store", "lookup", "pin", "pin", "retrieve", "release", "abandon"])
         ids = rng.choice(prompts)
         if op == "store":
@@ -124,15 +152,15 @@ def test_no_pin_or_slab_survives_1000_mixed_operations():
             assert e.lookup(ids) % CHUNK == 0
         elif op == "pin":
             lookup_id = f"req-{step}"
-            before = time.monotonic()  # the pin's clock starts inside lookup, after this
-            open_lookups[lookup_id] = (ids, e.lookup(ids, pin=True, lookup_id=lookup_id), before)
+            open_lookups[lookup_id] = (ids, e.lookup(ids, pin=True, lookup_id=lookup_id), clock.now())
         elif op in ("retrieve", "release", "abandon") and open_lookups:
             lookup_id = rng.choice(sorted(open_lookups))
             ids, hit, when = open_lookups.pop(lookup_id)
             if op == "retrieve":
+                # Every lookup still open is within its pin timeout (the clock says so exactly).
+                assert clock.now() - when < timeout_s
                 loaded = retrieve(e, ids, dst, lookup_id=lookup_id)
-                if time.monotonic() - when < timeout_s:
-                    assert loaded >= hit, f"step {step}: pinned chunks were lost before retrieve"
+                assert loaded >= hit, f"step {step}: pinned chunks were lost before retrieve"
             elif op == "release":
                 e.release(lookup_id)
             else:
@@ -145,11 +173,11 @@ def test_no_pin_or_slab_survives_1000_mixed_operations():
         # Every page in use belongs to an entry: no run leaked one.
         assert memory["used_bytes"] == memory["entries"] * SLAB
 
-    assert abandoned > 0 and e.stats()["stores"] > 0 and e.stats()["retrieves"] > 0
+    assert abandoned > 0 and expired > 0 and e.stats()["stores"] > 0 and e.stats()["retrieves"] > 0
     for lookup_id in list(open_lookups):
         e.release(lookup_id)
-    time.sleep(timeout_s + 0.05)
-    e.lookup(prompts[0])  # runs expire_pins
+    # Past every deadline the timer alone clears what the abandoned lookups pinned.
+    clock.advance(timeout_s + e.storage.pin_timer_interval_s)
     memory = e.stats()["tiers"]["memory"]
     assert memory["pinned_objects"] == 0
     assert memory["used_bytes"] == memory["entries"] * SLAB

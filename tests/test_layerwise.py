@@ -4,6 +4,7 @@ the all-layers rule for hits, and one span per stage per layer."""
 from __future__ import annotations
 
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 
@@ -81,19 +82,173 @@ def test_layerwise_round_trip_equals_whole_request(layout: str) -> None:
         assert torch.equal(a, b)
 
 
-def test_each_layer_lands_by_its_wait() -> None:
+class LayerPacer:
+    """A deliberately slow per-layer transfer, paced by the test instead of by a clock.
+
+    The ``held-layer`` stage (below, before ``scatter``) records when each
+    layer's transfer starts, then holds it until the test opens that layer,
+    and records when the layer's scatter is done. The test records its own
+    "compute" of each layer in the same log: one lock, so the log is a total
+    order of what happened, and overlap is read from that order alone.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.log: list[tuple[str, int]] = []
+        self._lock = threading.Lock()
+        self.started = [threading.Event() for _ in range(num_layers)]
+        self.opened = [threading.Event() for _ in range(num_layers)]
+
+    def record(self, what: str, layer: int) -> None:
+        with self._lock:
+            self.log.append((what, layer))
+
+    def position(self, what: str, layer: int) -> int:
+        return self.log.index((what, layer))
+
+    def done(self, layer: int) -> bool:
+        with self._lock:
+            return ("transfer-end", layer) in self.log
+
+
+PACER: LayerPacer | None = None
+READY_S = 60.0  # how long a held transfer waits to be opened: readiness, never reached when the test is right
+
+
+@flowkv.stage("held-layer", kinds=("retrieve",), needs={"kv"}, gives={"kv"}, per_layer=True)
+def held_layer(chunks: Iterator[Chunk], *, ctx: RunContext):
+    """Start layer ``ctx.layer``'s transfer, then hold it until the test's pacer opens that layer."""
+    pacer = PACER
+    if pacer is None:
+        yield from chunks
+        return
+    layer = ctx.layer
+    pacer.record("transfer-start", layer)
+    pacer.started[layer].set()
+    if not pacer.opened[layer].wait(READY_S):
+        raise RuntimeError(f"layer {layer} was never opened")
+    try:
+        yield from chunks  # scatter writes each chunk's layer as it pulls it
+    finally:
+        pacer.record("transfer-end", layer)
+
+
+@pytest.fixture
+def paced(tmp_path):
+    """A layerwise engine whose retrieve runs ``held-layer`` before ``scatter``, and its pacer."""
+    global PACER
     g = geometry()
+    pipeline = tmp_path / "paced.toml"
+    body = open(load_pipeline("local-cpu").source).read().replace(
+        '[[retrieve.stages]]\nuse = "scatter"',
+        f'[[retrieve.stages]]\nuse = "{__name__}:held_layer"\n\n[[retrieve.stages]]\nuse = "scatter"',
+    )
+    pipeline.write_text(body)
+    engine = make_engine(g, str(pipeline))
+    PACER = LayerPacer(g.num_layers)
+    try:
+        yield engine, PACER
+    finally:
+        for event in PACER.opened:  # let a held transfer go, however the test ended
+            event.set()
+        engine.close()
+        PACER = None
+
+
+def test_each_layer_lands_by_its_wait_while_later_layers_are_still_pending(paced) -> None:
+    engine, pacer = paced
+    g = engine.geometry
     src, dst, tokens, slots = paged_request(g, seed=3)
-    engine = make_engine(g)
     engine.store(tokens, kv_caches=src, slot_mapping=slots)
-    retrieve = engine.retrieve_layerwise(tokens, kv_caches=dst, slot_mapping=slots)
     hit = slots[: 5 * CHUNK]
+    want = read_back(src, g, hit)
+    pacer.opened[0].set()
+    retrieve = engine.retrieve_layerwise(tokens, kv_caches=dst, slot_mapping=slots)
     for layer in range(g.num_layers):
         retrieve.wait(layer)
-        want = read_back(src, g, hit)[layer]
-        got = read_back(dst, g, hit)[layer]
-        assert torch.equal(got, want), f"layer {layer} not in place after wait({layer})"
+        got = read_back(dst, g, hit)
+        assert torch.equal(got[layer], want[layer]), f"layer {layer} not in place after wait({layer})"
+        for later in range(layer + 1, g.num_layers):
+            # Held until the model "computes" this layer: queued, not yet moved.
+            assert not pacer.done(later), f"layer {later} landed before layer {layer} was computed"
+            assert not got[later].view(torch.int16).any(), f"layer {later} written before its turn"
+        if layer + 1 < g.num_layers:
+            pacer.opened[layer + 1].set()
     assert int(retrieve.finish().sum()) == 5 * CHUNK
+
+
+def compute_while_loading(engine: CacheEngine, pacer: LayerPacer, tokens, dst, slots, *, overlap_wait_s: float):
+    """Drive a layerwise retrieve as a model does: wait(i), compute layer i, then i+1.
+
+    Layer 0's transfer may go at once; layer i+1's may finish only once layer
+    i's compute began. Layer i's compute runs until layer i+1's transfer has
+    started or ``overlap_wait_s`` passed (how long, matters only for the run
+    time of the synchronous case, where it never starts meanwhile).
+    """
+    pacer.opened[0].set()
+    retrieve = engine.retrieve_layerwise(tokens, kv_caches=dst, slot_mapping=slots)
+    work = torch.randn(64, 64)
+    for layer in range(pacer.num_layers):
+        retrieve.wait(layer)
+        pacer.record("compute-start", layer)
+        if layer + 1 < pacer.num_layers:
+            pacer.opened[layer + 1].set()
+            pacer.started[layer + 1].wait(overlap_wait_s)
+        work = torch.tanh(work @ work)  # the layer's compute
+        pacer.record("compute-end", layer)
+    return retrieve.finish()
+
+
+def overlapped_layers(pacer: LayerPacer) -> list[int]:
+    """Layers i whose compute ran while layer i+1's transfer ran: read from the order of the log."""
+    return [
+        layer for layer in range(pacer.num_layers - 1)
+        if pacer.position("transfer-start", layer + 1) < pacer.position("compute-end", layer)
+        and pacer.position("compute-start", layer) < pacer.position("transfer-end", layer + 1)
+    ]
+
+
+def test_layer_i_plus_1_moves_while_layer_i_computes(paced) -> None:
+    engine, pacer = paced
+    src, dst, tokens, slots = paged_request(engine.geometry, seed=4)
+    engine.store(tokens, kv_caches=src, slot_mapping=slots)
+    mask = compute_while_loading(engine, pacer, tokens, dst, slots, overlap_wait_s=READY_S)
+    assert int(mask.sum()) == 5 * CHUNK
+    assert overlapped_layers(pacer) == list(range(engine.geometry.num_layers - 1)), pacer.log
+
+
+class LoadWhenAsked:
+    """A synchronous loader's layer future: the layer moves on the caller's thread when waited for."""
+
+    def __init__(self, fn, args) -> None:
+        self.fn, self.args, self.ran, self.error = fn, args, False, None
+
+    def result(self, timeout=None):
+        if not self.ran:
+            self.ran = True
+            try:
+                self.fn(*self.args)
+            except Exception as exc:  # noqa: BLE001 - kept for every later waiter, like a Future
+                self.error = exc
+        if self.error is not None:
+            raise self.error
+
+    def done(self) -> bool:
+        return self.ran
+
+
+def test_a_synchronous_loader_shows_no_overlap(paced, monkeypatch) -> None:
+    """The check above is not vacuous: the same run with each layer moved only when waited for
+    (what a loader without a transfer worker does) loads the same bytes and overlaps nothing."""
+    engine, pacer = paced
+    src, dst, tokens, slots = paged_request(engine.geometry, seed=4)
+    engine.store(tokens, kv_caches=src, slot_mapping=slots)
+    monkeypatch.setattr(engine.executor, "submit_layer", lambda fn, *args: LoadWhenAsked(fn, args))
+    mask = compute_while_loading(engine, pacer, tokens, dst, slots, overlap_wait_s=0.05)
+    assert int(mask.sum()) == 5 * CHUNK
+    hit = slots[: 5 * CHUNK]
+    assert torch.equal(read_back(dst, engine.geometry, hit), read_back(src, engine.geometry, hit))
+    assert overlapped_layers(pacer) == [], pacer.log
 
 
 # A per-layer stage that loses chunk 2's layer 1, as a failed transfer would.

@@ -62,14 +62,6 @@ def explode(items: Iterator[Any], *, label: str = "explode", after: int = 0) -> 
         closed.append(label)
 
 
-@stage("sleepy", kinds=("store", "retrieve", "lookup"))
-def sleepy(items: Iterator[Any], *, seconds: float) -> Iterator[Any]:
-    """Sleep ``seconds`` per item, in the stage's own code."""
-    for item in items:
-        time.sleep(seconds)
-        yield item
-
-
 @stage("measure", kinds=("store", "retrieve", "lookup"))
 def measure(items: Iterator[Any], *, ctx: RunContext, nbytes: int = 10) -> Iterator[Any]:
     """Report ``nbytes`` per item and the tier it 'used'."""
@@ -212,29 +204,64 @@ def test_no_span_is_current_inside_a_stage_between_steps(tracing):
     assert_clean(tracing)  # ...and none is current after the run
 
 
-def test_own_time_counts_a_stage_not_its_downstream(tracing):
+class StageTime:
+    """The runner's clock in the own-time tests: it moves only when a stage or source below moves it,
+    so own times are exact sums, whatever else the machine is doing."""
+
+    ns = 0
+
+    @classmethod
+    def perf_counter_ns(cls) -> int:
+        return cls.ns
+
+    @classmethod
+    def spend(cls, seconds: float) -> None:
+        cls.ns += round(seconds * 1e9)
+
+
+@pytest.fixture
+def stage_time(monkeypatch) -> type[StageTime]:
+    import flowkv.runner
+
+    StageTime.ns = 0
+    monkeypatch.setattr(flowkv.runner, "time", StageTime)
+    return StageTime
+
+
+@stage("spending", kinds=("store", "retrieve", "lookup"))
+def spending(items: Iterator[Any], *, seconds: float) -> Iterator[Any]:
+    """Sleep ``seconds`` per item and move the runner's test clock on by as much, in the stage's own code."""
+    for item in items:
+        time.sleep(seconds)
+        StageTime.spend(seconds)
+        yield item
+
+
+def test_own_time_counts_a_stage_not_its_downstream(tracing, stage_time):
     nap = 0.005
     items = 8
-    text = chain(f'{own_module("sleepy")}\nseconds = {nap}', 'use = "pass-through"')
+    text = chain(f'{own_module("spending")}\nseconds = {nap}', 'use = "pass-through"')
     runner(text, tracing.tracer).run(range(items))
     spans = tracing.by_name()
-    sleeper = spans["sleepy"].attributes["flowkv.own_time_ns"]
+    sleeper = spans["spending"].attributes["flowkv.own_time_ns"]
     downstream = spans["pass-through"].attributes["flowkv.own_time_ns"]
-    assert sleeper >= items * nap * 1e9  # time.sleep sleeps at least this long
+    assert sleeper == items * round(nap * 1e9)  # exactly what the stage itself spent
+    assert downstream == 0  # the stage's time is not its downstream's
     assert 0 <= downstream < sleeper
     root = spans["flowkv.store"]
-    assert sleeper + downstream <= root.end_time - root.start_time
+    assert sleeper + downstream <= root.end_time - root.start_time  # the real sleeps happened inside the run
 
 
-def test_own_time_excludes_a_slow_source(tracing):
+def test_own_time_excludes_a_slow_source(tracing, stage_time):
     def slow_source():
         for item in range(5):
-            time.sleep(0.005)
+            stage_time.spend(0.005)
             yield item
 
-    text = chain(f'{own_module("sleepy")}\nseconds = 0')
+    text = chain(f'{own_module("spending")}\nseconds = 0')
     runner(text, tracing.tracer).run(slow_source())
-    own = tracing.by_name()["sleepy"].attributes["flowkv.own_time_ns"]
+    own = tracing.by_name()["spending"].attributes["flowkv.own_time_ns"]
+    assert own == 0  # the source's 25 ms are upstream of the stage
     assert own < 5 * 0.005 * 1e9
 
 

@@ -219,6 +219,20 @@ async def test_folder_lost_while_running_degrades_to_misses(tmp_path: Path) -> N
     assert stats["failures"] == 0 and stats["healthy"] == 1
 
 
+async def test_folder_removed_while_running_is_made_again_by_the_next_write(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    tier = disk_tier(root)
+    await tier.put([(chunk_key(1), make_payload(KIB, 1))])
+    shutil.rmtree(root)  # an operator or a cleaner, not a lost disk
+
+    # A key in the same shard folder as the lost one: its write makes the folders again, first time.
+    same_shard = next(chunk_key(i) for i in range(2, 10_000) if key_digest(chunk_key(i))[:2] == key_digest(chunk_key(1))[:2])
+    await tier.put([(same_shard, make_payload(KIB, 2))])
+    assert await tier.get([same_shard]) == [make_payload(KIB, 2)]
+    assert await tier.get([chunk_key(1)]) == [None]
+    assert tier.stats()["write_errors"] == 0 and file_of(root, same_shard).exists()
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file permissions")
 async def test_permission_denied_degrades_to_misses(tmp_path: Path) -> None:
     root = tmp_path / "cache"

@@ -89,12 +89,15 @@ def test_save_decode_lets_the_next_turn_reuse_generated_tokens():
         [(answer, _)] = generate(llm, [request(first_turn, max_tokens=300)])
         # The next turn sends the conversation so far plus a new question.
         next_turn = first_turn + answer + random_tokens(601, 50)
-        [(_, cached)] = generate(llm, [request(next_turn)])
+        [(reply, cached)] = generate(llm, [request(next_turn)])
+        # The same turn computed from scratch (a cache salt of its own: no hit) answers the same.
+        [(cold_reply, cold_cached)] = generate(llm, [request(next_turn, cache_salt="cold")])
     finally:
         shutdown_llm(llm)
     # 899 tokens have KV after the first turn (the last sampled token has
     # none yet): 3 whole chunks, one more than the prompt alone fills.
     assert cached == 768
+    assert cold_cached == 0 and reply == cold_reply
 
 
 def test_with_vllm_prefix_caching_flowkv_serves_what_vllm_evicted():

@@ -26,6 +26,11 @@ CHUNK_SIZE = 256
 KV_BYTES_PER_TOKEN = 2 * 2 * 64 * 2 * 2
 KV_BYTES_PER_BLOCK = KV_BYTES_PER_TOKEN * BLOCK_SIZE
 
+# How long the scheduler waits for the workers' lookup answer in tests: tests assert exact
+# hit counts, and one answer later than the default 200 ms on a busy machine would be 0 hits.
+# Readiness, not a performance claim; a test of the timeout itself sets its own.
+LOOKUP_TIMEOUT_MS = 60_000
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 
@@ -50,7 +55,9 @@ def make_llm(
     Prefix caching is off unless asked for, so ``RequestOutput.num_cached_tokens``
     counts exactly the tokens flowkv loaded. ``kv_cache_blocks`` sizes vLLM's
     KV pool in blocks. ``connector`` is the connector's (class name, module).
+    The lookup timeout is ``LOOKUP_TIMEOUT_MS`` unless ``extra_config`` sets one.
     """
+    extra_config = {"lookup_timeout_ms": LOOKUP_TIMEOUT_MS, **extra_config}
     if max_num_batched_tokens is not None:
         llm_kwargs["max_num_batched_tokens"] = max_num_batched_tokens
     llm_kwargs.setdefault("enable_prefix_caching", False)

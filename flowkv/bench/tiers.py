@@ -128,6 +128,7 @@ def _redis_for_bench(url: str | None, folder: Path) -> Iterator[tuple[str | None
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        shutil.rmtree(workdir, ignore_errors=True)  # --dir is the user's: leave it as it was
 
 
 # -- the measurements --------------------------------------------------------------------

@@ -160,9 +160,10 @@ class ObjectTier(abc.ABC):
       tier's own reference; False (nothing taken) when ``key`` is held.
     - ``get(key)`` answers the object with a reference for the caller, or
       ``None``. ``contains`` answers without touching recency or references.
-    - ``pin(key, owner, timeout_s=...)`` keeps an entry from eviction for
-      ``owner`` until ``release_owner(owner)`` or the deadline
-      (``expire_pins``); ``remove(key)`` drops an entry and its pins.
+    - ``pin(key, owner, timeout_s=..., now=...)`` keeps an entry from
+      eviction for ``owner`` until ``release_owner(owner)`` or the deadline
+      (``expire_pins(now)``; ``now`` is the storage manager's clock);
+      ``remove(key)`` drops an entry and its pins.
     - ``on_evict``, when set by the storage manager, is called with each
       evicted key after the tier's own lock is released.
     - ``stats()`` is synchronous and cheap: a flat dict of numbers (or an
@@ -199,7 +200,8 @@ class ObjectTier(abc.ABC):
     def contains(self, key: str) -> bool:
         """Whether ``key`` is held."""
 
-    def contains_many(self, keys: list[str], *, pin_owner: Any = None, pin_timeout_s: float = 30.0) -> list[bool]:
+    def contains_many(self, keys: list[str], *, pin_owner: Any = None, pin_timeout_s: float = 30.0,
+                      pin_now: float | None = None) -> list[bool]:
         """One bool per key; with ``pin_owner``, every key held is pinned for it too.
 
         A remote object tier answers (and pins) in one round trip: this is its
@@ -207,7 +209,7 @@ class ObjectTier(abc.ABC):
         """
         held = [self.contains(key) for key in keys]
         if pin_owner is not None:
-            held = [h and self.pin(key, pin_owner, timeout_s=pin_timeout_s) for key, h in zip(keys, held)]
+            held = [h and self.pin(key, pin_owner, timeout_s=pin_timeout_s, now=pin_now) for key, h in zip(keys, held)]
         return held
 
     @abc.abstractmethod
@@ -215,16 +217,19 @@ class ObjectTier(abc.ABC):
         """Drop ``key`` and its pins; False when it was not held."""
 
     @abc.abstractmethod
-    def pin(self, key: str, owner_id: Any, *, timeout_s: float) -> bool:
-        """Keep ``key`` from eviction for ``owner_id``; False when it is not held."""
+    def pin(self, key: str, owner_id: Any, *, timeout_s: float, now: float | None = None) -> bool:
+        """Keep ``key`` from eviction for ``owner_id`` until ``now + timeout_s``; False when it is not held.
+
+        ``now`` is the storage manager's clock reading (default: `time.monotonic`).
+        """
 
     @abc.abstractmethod
     def release_owner(self, owner_id: Any) -> int:
         """Drop every pin ``owner_id`` holds; how many."""
 
     @abc.abstractmethod
-    def expire_pins(self) -> int:
-        """Drop pins whose deadline passed; how many."""
+    def expire_pins(self, now: float | None = None) -> int:
+        """Drop pins whose deadline is ``now`` or earlier (default: `time.monotonic`); how many."""
 
     @abc.abstractmethod
     def clear(self) -> None:
@@ -271,9 +276,10 @@ class ObjectTier(abc.ABC):
         for obj in objects:
             obj.ref_down()
 
-    def pin_many(self, keys: Sequence[str], owner_id: Any, *, timeout_s: float) -> list[bool]:
+    def pin_many(self, keys: Sequence[str], owner_id: Any, *, timeout_s: float,
+                 now: float | None = None) -> list[bool]:
         """``pin`` each key for ``owner_id``; one bool per key."""
-        return [self.pin(key, owner_id, timeout_s=timeout_s) for key in keys]
+        return [self.pin(key, owner_id, timeout_s=timeout_s, now=now) for key in keys]
 
     def unpin_many(self, keys: Sequence[str], owner_id: Any) -> int:
         """Drop ``owner_id``'s pins on ``keys``; how many. (A tier without single unpins

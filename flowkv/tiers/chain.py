@@ -24,7 +24,9 @@ reach it as ``ctx.services.storage``:
 - the ``*_many`` forms do a request's chunks in one call per tier, so a
   remote object tier costs one round trip per request, not per chunk;
 - ``pin`` / ``release`` / ``expire_pins`` keep lookup hits from eviction until
-  retrieve; ``prefetch`` starts promoting byte-tier hits at lookup time;
+  retrieve; ``prefetch`` starts promoting byte-tier hits at lookup time (a
+  release covers what the lookup's prefetch lands after it); a timer of the
+  manager's own drops pins past their deadline when no call comes;
 - ``health``, ``stats``, ``flush``, ``close``; ``subscribe`` for admit and
   evict events of object tiers.
 
@@ -44,6 +46,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -52,6 +55,7 @@ import attrs
 import torch
 
 from flowkv import payload as payloads
+from flowkv.clock import MONOTONIC, Clock, Ticker
 from flowkv.tiers import portal
 from flowkv.tiers.base import ObjectTier, Tier, TierObject
 from flowkv.tiers.health import GuardedTier, TierHealth
@@ -112,6 +116,12 @@ class StorageManager:
     copy of each chunk ``put`` sends it. Byte tiers are wrapped in a
     :class:`GuardedTier` (with ``guards[name]``: ``timeout_s``,
     ``backoff_max_s``, ``write_queue``).
+
+    Pins carry deadlines on ``clock`` (`flowkv.clock.MONOTONIC`, or a
+    `flowkv.clock.ManualClock` in tests); from the first pin on, a timer
+    thread drops the pins past their deadline every ``pin_timeout_s / 4``
+    (at most 5 s) of that clock, so an abandoned lookup frees memory with no
+    further traffic. The thread ends with ``close()`` or with the manager.
     """
 
     def __init__(
@@ -122,8 +132,13 @@ class StorageManager:
         pin_timeout_s: float = 30.0,
         guards: Mapping[str, Any] | None = None,
         counters: Counters | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.pin_timeout_s = pin_timeout_s
+        self.clock: Clock = clock or MONOTONIC
+        #: how often (on ``clock``) the pin timer drops expired pins
+        self.pin_timer_interval_s = min(pin_timeout_s / 4, 5.0)
+        self._pin_timer: Ticker | None = None
         self._counters: Counters = counters or _NoCounters()
         self.order: tuple[str, ...] = tuple(tiers)
         self._objects: dict[str, ObjectTier] = {}
@@ -150,9 +165,13 @@ class StorageManager:
         self.memory: ObjectTier = self._objects[self.staging]
         # Object-tier puts made with ``later``, per thread until ``commit``: tier -> [(key, obj, payload)]
         self._later = threading.local()
-        self._lock = threading.Lock()  # guards the prefetch state below
+        self._lock = threading.Lock()  # guards the prefetch state below and the pin timer's start
+        # key -> set once that key's prefetch landed (promoted or not)
         self._prefetching: dict[str, concurrent.futures.Future[None]] = {}
-        self._prefetch_owner: dict[Any, list[str]] = {}
+        # owner -> keys its lookups prefetched (on their way, or landed and pinned for it)
+        self._prefetch_owner: dict[Any, set[str]] = {}
+        # key on its way -> owners to pin it for when it lands (a release takes its owner out)
+        self._prefetch_waiting: dict[str, set[Any]] = {}
         self._observers: list[Callable[[TierEvent], None]] = []
 
     @classmethod
@@ -165,6 +184,7 @@ class StorageManager:
         world_size: int = 1,
         rank: int = 0,
         counters: Counters | None = None,
+        clock: Clock | None = None,
     ) -> StorageManager:
         """Build every ``[tiers.NAME]`` of a pipeline the same way: ``Cls(name=NAME, config=cfg)``."""
         tiers: dict[str, ObjectTier | Tier] = {}
@@ -175,7 +195,8 @@ class StorageManager:
                 config = attrs.evolve(config, path=str(Path(config.path).expanduser() / f"rank{rank}"))
             tiers[name] = spec.info.cls(name=name, config=config)
         guards = {name: spec.guard for name, spec in specs.items()}
-        return cls(tiers, slab_bytes=slab_bytes, pin_timeout_s=pin_timeout_s, guards=guards, counters=counters)
+        return cls(tiers, slab_bytes=slab_bytes, pin_timeout_s=pin_timeout_s, guards=guards, counters=counters,
+                   clock=clock)
 
     # -- what is where ------------------------------------------------------
 
@@ -209,7 +230,8 @@ class StorageManager:
                 if pin is None:
                     answers = objects.contains_many(wanted)
                 else:
-                    answers = objects.contains_many(wanted, pin_owner=pin, pin_timeout_s=self.pin_timeout_s)
+                    answers = objects.contains_many(wanted, pin_owner=pin, pin_timeout_s=self.pin_timeout_s,
+                                                    pin_now=self.clock.now())
                     pinned[name] = [i for i, present in zip(todo, answers) if present]
             else:
                 answers = self._call(name, "exists", wanted, default=[False] * len(todo))
@@ -223,6 +245,7 @@ class StorageManager:
                 beyond = [keys[i] for i in indices if i >= end]
                 if beyond:
                     self._objects[name].unpin_many(beyond, pin)
+            self._start_pin_timer()
         return found
 
     def contains(self, key: str) -> bool:
@@ -468,65 +491,103 @@ class StorageManager:
         for key, tier in hits:
             if tier in self._objects:
                 by_tier[tier].append(key)  # type: ignore[index]
+        if not by_tier:
+            return
+        now = self.clock.now()
         for tier, keys in by_tier.items():
-            self._objects[tier].pin_many(keys, owner, timeout_s=self.pin_timeout_s)
+            self._objects[tier].pin_many(keys, owner, timeout_s=self.pin_timeout_s, now=now)
+        self._start_pin_timer()
 
     def release(self, owner: Any) -> None:
-        """Drop every pin ``owner`` holds, its prefetched chunks' included."""
+        """Drop every pin ``owner`` holds, its prefetched chunks' included, and any its
+        prefetch would take when it lands later."""
+        with self._lock:
+            # First out of the waiting lists (under the lock the landing pins under),
+            # then unpin: a chunk that lands after this is not pinned for ``owner``.
+            for key in self._prefetch_owner.pop(owner, ()):
+                waiting = self._prefetch_waiting.get(key)
+                if waiting is not None:
+                    waiting.discard(owner)
         for objects in self._objects.values():
             objects.release_owner(owner)
-        with self._lock:
-            keys = self._prefetch_owner.pop(owner, [])
-        for key in keys:
-            for objects in self._objects.values():
-                objects.release_owner((owner, key))
 
     def expire_pins(self) -> None:
         """Drop pins past their deadline (a scheduler that stopped asking must not pin forever)."""
+        now = self.clock.now()
         for objects in self._objects.values():
-            objects.expire_pins()
+            objects.expire_pins(now=now)
+
+    def _start_pin_timer(self) -> None:
+        if self._pin_timer is not None:
+            return
+        with self._lock:
+            if self._pin_timer is not None:
+                return
+            ticker = self.clock.ticker(self.pin_timer_interval_s)
+            self._pin_timer = ticker
+        threading.Thread(target=_expire_pins_until_stopped, args=(weakref.ref(self), ticker),
+                         name="flowkv-pin-timer", daemon=True).start()
 
     def prefetch(self, entries: Sequence[Entry], owner: Any) -> None:
         """Start promoting the byte-tier hits among ``entries`` into the staging tier (not waiting).
 
-        Each promoted chunk is pinned for ``owner`` (released by ``release(owner)``).
+        Each promoted chunk is pinned for ``owner`` when it lands, unless
+        ``release(owner)`` came first. A chunk already on its way is not read
+        twice; it is pinned for ``owner`` too.
         """
         by_tier: dict[str, list[Entry]] = collections.defaultdict(list)
+        landing: dict[str, concurrent.futures.Future[None]] = {}
         with self._lock:
             for entry in entries:
-                if entry.tier in self.guarded and entry.key not in self._prefetching:
-                    by_tier[entry.tier].append(entry)  # type: ignore[index]
-        for name, group in by_tier.items():
-            keys = [e.key for e in group]
-            future = portal.submit(self.guarded[name].get, keys)
-            # Readers wait on ``landed``, set once the chunks are in memory: waiters
-            # of ``future`` itself wake before its done-callbacks (the promotion) run.
-            landed: concurrent.futures.Future[None] = concurrent.futures.Future()
-            with self._lock:
-                for key in keys:
-                    self._prefetching[key] = landed
+                if entry.tier not in self.guarded:
+                    continue
                 if owner is not None:
-                    self._prefetch_owner.setdefault(owner, []).extend(keys)
-            future.add_done_callback(
-                lambda f, group=group, owner=owner, landed=landed: self._prefetched(f, group, owner, landed)
-            )
-            self._counters.count("prefetches", len(keys))
+                    self._prefetch_owner.setdefault(owner, set()).add(entry.key)
+                    self._prefetch_waiting.setdefault(entry.key, set()).add(owner)
+                if entry.key not in self._prefetching:
+                    by_tier[entry.tier].append(entry)  # type: ignore[index]
+            for name, group in by_tier.items():
+                # Readers wait on ``landed``, set once the chunks are in memory: waiters
+                # of the read's own future wake before its done-callbacks (the promotion) run.
+                landed: concurrent.futures.Future[None] = concurrent.futures.Future()
+                landing[name] = landed
+                for entry in group:
+                    self._prefetching[entry.key] = landed
+        for name, group in by_tier.items():
+            landed = landing[name]
+            try:
+                future = portal.submit(self.guarded[name].get, [e.key for e in group])
+            except Exception:  # no I/O thread (shutting down): nothing lands
+                log.warning("flowkv: prefetch from %s not started", name, exc_info=True)
+                self._prefetched(None, group, landed)
+                continue
+            future.add_done_callback(lambda f, group=group, landed=landed: self._prefetched(f, group, landed))
+            self._counters.count("prefetches", len(group))
 
-    def _prefetched(self, future: concurrent.futures.Future[Any], group: list[Entry], owner: Any,
+    def _prefetched(self, future: concurrent.futures.Future[Any] | None, group: list[Entry],
                     landed: concurrent.futures.Future[None]) -> None:
+        done = 0
         try:
             try:
-                blobs = future.result()
+                blobs = future.result() if future is not None else [None] * len(group)
             except Exception:
                 blobs = [None] * len(group)
             for entry, blob in zip(group, blobs):
-                if blob is not None and self._promote(entry.key, blob, entry.shape, entry.dtype) \
-                        and owner is not None:
-                    # Pinned under (owner, key) so release(owner) can find it.
-                    self.memory.pin(entry.key, (owner, entry.key), timeout_s=self.pin_timeout_s)
+                promoted = blob is not None and self._promote(entry.key, blob, entry.shape, entry.dtype)
+                with self._lock:  # a release either took its owner out already, or unpins after this
+                    owners = self._prefetch_waiting.pop(entry.key, ())
+                    if promoted and owners:
+                        now = self.clock.now()
+                        for owner in owners:
+                            self.memory.pin(entry.key, owner, timeout_s=self.pin_timeout_s, now=now)
+                done += 1
+                if promoted and owners:
+                    self._start_pin_timer()
         finally:
             with self._lock:
-                for entry in group:
+                for index, entry in enumerate(group):
+                    if index >= done:  # not landed (a promotion raised): nobody waits for it any more
+                        self._prefetch_waiting.pop(entry.key, None)
                     if self._prefetching.get(entry.key) is landed:
                         del self._prefetching[entry.key]
             landed.set_result(None)
@@ -534,7 +595,7 @@ class StorageManager:
     def prefetch_pending(self, owner: Any) -> bool:
         """Whether chunks a lookup by ``owner`` found in byte tiers are still on their way to memory."""
         with self._lock:
-            keys = list(self._prefetch_owner.get(owner, []))
+            keys = self._prefetch_owner.get(owner, ())
             return any(not self._prefetching[k].done() for k in keys if k in self._prefetching)
 
     def _promote(self, key: str, blob: Any, shape: tuple[int, ...] | None, dtype: torch.dtype | None) -> bool:
@@ -633,7 +694,9 @@ class StorageManager:
         return True
 
     def close(self) -> None:
-        """Flush write-behind (briefly), close byte tiers, then free the object tiers."""
+        """Stop the pin timer, flush write-behind (briefly), close byte tiers, then free the object tiers."""
+        if self._pin_timer is not None:
+            self._pin_timer.stop()
         self.flush(timeout_s=5.0)
         for name, tier in self.guarded.items():
             try:
@@ -649,6 +712,22 @@ class StorageManager:
         except Exception:  # the guard answers misses itself; this covers the portal's own timeout
             self._counters.count(f"tier_call_failures.{tier}")
             return default
+
+
+def _expire_pins_until_stopped(manager_ref: weakref.ref[StorageManager], ticker: Ticker) -> None:
+    """The pin timer's thread: holds its manager only while a tick runs, so the manager can go."""
+    try:
+        while ticker.wait():
+            manager = manager_ref()
+            if manager is None:
+                return
+            try:
+                manager.expire_pins()
+            except Exception:  # a timer never dies of one bad tick
+                log.warning("flowkv: expiring pins failed", exc_info=True)
+            del manager
+    finally:
+        ticker.stop()
 
 
 def _found_in(name: str, objects: ObjectTier, entry: Entry) -> Found | None:

@@ -480,6 +480,13 @@ class DiskTier(Tier):
 
     def _write_file(self, digest: str, payload: bytes) -> str:
         """``"stored"``, ``"no_space"`` (the filesystem or quota is full) or ``"failed"``."""
+        outcome = self._write_file_once(digest, payload)
+        if outcome == "gone":  # the folder was removed behind our back (an operator, a cleaner): make it again
+            outcome = self._write_file_once(digest, payload)
+        return "failed" if outcome == "gone" else outcome
+
+    def _write_file_once(self, digest: str, payload: bytes) -> str:
+        """As ``_write_file``, or ``"gone"`` when a shard folder made earlier no longer exists."""
         shard = digest[:2]
         folder = self.root / shard
         final = folder / (digest + _SUFFIX)
@@ -497,10 +504,11 @@ class DiskTier(Tier):
             if self.config.fsync:
                 self._fsync_folder(folder)
         except OSError as exc:
-            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-                self._made_shards.discard(shard)  # the folder went away; recreate next time
             logger.debug("disk tier %r: cannot write %s: %s", self.name, final, exc)
             self._unlink(temp)
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR) and shard in self._made_shards:
+                self._made_shards.discard(shard)  # the folder went away; recreate it
+                return "gone"
             return "no_space" if exc.errno in _NO_SPACE else "failed"
         return "stored"
 

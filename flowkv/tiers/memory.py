@@ -201,7 +201,7 @@ class MemoryTier(ObjectTier):
 
     # -- pins ------------------------------------------------------------
 
-    def pin(self, key: str, owner_id: Any, *, timeout_s: float, now: float | None = None) -> bool:  # type: ignore[override]
+    def pin(self, key: str, owner_id: Any, *, timeout_s: float, now: float | None = None) -> bool:
         """Keep ``key`` from eviction on behalf of ``owner_id`` (a lookup) until
         `unpin`, `release_owner`, or ``timeout_s`` later (`expire_pins`).
 
@@ -239,7 +239,7 @@ class MemoryTier(ObjectTier):
                 released += self._unpin_locked(key, owner_id)
             return released
 
-    def expire_pins(self, now: float | None = None) -> int:  # type: ignore[override]
+    def expire_pins(self, now: float | None = None) -> int:
         """Release pins whose deadline has passed; returns how many.
 
         ``now`` is a `time.monotonic` reading (default: now).

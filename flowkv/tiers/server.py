@@ -249,7 +249,8 @@ class ServerTier(ObjectTier):
     def contains(self, key: str) -> bool:
         return self.contains_many([key])[0]
 
-    def contains_many(self, keys: list[str], *, pin_owner: Any = None, pin_timeout_s: float = 30.0) -> list[bool]:
+    def contains_many(self, keys: list[str], *, pin_owner: Any = None, pin_timeout_s: float = 30.0,
+                      pin_now: float | None = None) -> list[bool]:
         """Held per key, in one round trip; with ``pin_owner`` the server pins the leading run it holds."""
         if not keys:
             return []
@@ -264,10 +265,12 @@ class ServerTier(ObjectTier):
         self._counters["lookup_misses"] += len(keys) - hits
         return held
 
-    def pin(self, key: str, owner_id: Any, *, timeout_s: float) -> bool:
+    def pin(self, key: str, owner_id: Any, *, timeout_s: float, now: float | None = None) -> bool:
         return self.pin_many([key], owner_id, timeout_s=timeout_s)[0]
 
-    def pin_many(self, keys: Sequence[str], owner_id: Any, *, timeout_s: float) -> list[bool]:
+    def pin_many(self, keys: Sequence[str], owner_id: Any, *, timeout_s: float,
+                 now: float | None = None) -> list[bool]:
+        """Pins for ``timeout_s`` of the server's own clock (``now``, the caller's, does not apply)."""
         if not keys:
             return []
         reply = self._call("pin", keys=list(keys), owner=str(owner_id), pin_s=timeout_s)
@@ -283,7 +286,7 @@ class ServerTier(ObjectTier):
         self._send("release_owner", owner=str(owner_id))
         return 0
 
-    def expire_pins(self) -> int:
+    def expire_pins(self, now: float | None = None) -> int:
         return 0  # the server expires its pins itself
 
     # -- allocation and commit -------------------------------------------------

@@ -1,0 +1,120 @@
+"""The README's vLLM commands, run through the CLI at small sizes: ``flowkv demo`` (and ``--layerwise``),
+``flowkv trace summarize`` / ``timeline`` on the trace the demo wrote, and ``flowkv bench ttft``.
+
+Nothing here is held to a time limit. What must hold whatever the machine's
+speed: the table has a row per request, cold requests are served nothing
+and warm ones whole chunks of their document; warm TTFT is below cold (a
+copy of 1,500 tokens' KV against their prefill, on the demo model: about an
+order of magnitude apart); every printed mean, ratio and total follows from
+the printed rows. ``flowkv quality`` and ``bench capacity`` run in
+``test_quality.py`` and ``test_bench_capacity.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from flowkv.cli import main  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+DOCUMENTS = 2
+DOC_TOKENS = 1500
+CHUNK = 256  # local-cpu's chunk
+BLOCK = 128  # vLLM's default block on CPU
+
+
+def model_dir() -> Path:
+    """The demo model, built once into the tests' model cache (shared with test_quality, bench capacity)."""
+    root = Path(os.environ.get("FLOWKV_TEST_CACHE", Path.home() / ".cache" / "flowkv" / "test-models"))
+    return root / "demo-llama"
+
+
+@pytest.fixture
+def own_environment():
+    """The demo sets vLLM's environment for its run (log level, KV pool size); later tests get theirs back."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+def test_demo_table_follows_from_its_rows_and_its_trace_summarizes(layerwise, tmp_path, capsys, own_environment):
+    traces = tmp_path / "traces"
+    argv = ["demo", "--documents", str(DOCUMENTS), "--doc-tokens", str(DOC_TOKENS), "--traces", str(traces),
+            "--model-dir", str(model_dir())]
+    assert main(argv + (["--layerwise"] if layerwise else [])) == 0
+    out = capsys.readouterr().out
+
+    rows = re.findall(r"^ *(\d+) +(\d+) +(cold|warm) +(\d+) +(\d+) +([\d.]+)$", out, re.M)
+    assert [(int(d), int(q), kind) for d, q, kind, *_ in rows] == [
+        (doc, question, "cold" if question == 1 else "warm") for doc in range(DOCUMENTS) for question in (1, 2)
+    ], out
+    cold = [r for r in rows if r[2] == "cold"]
+    warm = [r for r in rows if r[2] == "warm"]
+    for _, _, _, prompt, served, _ in cold:
+        assert int(served) == 0 and int(prompt) > DOC_TOKENS
+    for _, _, _, prompt, served, _ in warm:
+        # The document's whole chunks (and no more than the prompt shares with the cold one), in whole blocks.
+        assert DOC_TOKENS // CHUNK * CHUNK <= int(served) < int(prompt), out
+        assert int(served) % BLOCK == 0 and int(served) % CHUNK == 0
+    cold_ms = sum(float(r[5]) for r in cold) / len(cold)
+    warm_ms = sum(float(r[5]) for r in warm) / len(warm)
+    assert warm_ms < cold_ms, out
+
+    printed_cold = re.search(r"^TTFT cold \(mean\): +([\d.]+) ms", out, re.M).group(1)
+    printed_warm, faster = re.search(r"^TTFT warm \(mean\): +([\d.]+) ms +\(([\d.]+)x faster\)", out, re.M).groups()
+    # Means of rows printed to 0.1 ms: within that rounding of the printed means.
+    assert abs(float(printed_cold) - cold_ms) <= 0.1 and abs(float(printed_warm) - warm_ms) <= 0.1
+    # The speed-up, to 0.1: the quotient of the two means (each printed to 0.1 ms).
+    pc, pw = float(printed_cold), float(printed_warm)
+    assert (pc - 0.05) / (pw + 0.05) - 0.05 <= float(faster) <= (pc + 0.05) / (pw - 0.05) + 0.05, out
+    served, total = (int(x) for x in re.search(r"^tokens served by flowkv: +(\d+) of (\d+) prompt tokens", out,
+                                               re.M).groups())
+    assert served == sum(int(r[4]) for r in rows) and total == sum(int(r[3]) for r in rows)
+    assert float(re.search(r"^lookup hit rate \(tokens\): +([\d.]+) %", out, re.M).group(1)) > 0
+    stored = int(re.search(r"^flowkv store time \(total\): +[\d.]+ ms for (\d+) tokens", out, re.M).group(1))
+    retrieved = int(re.search(r"^flowkv retrieve time \(total\): *[\d.]+ ms for (\d+) tokens", out, re.M).group(1))
+    assert retrieved == served  # what flowkv loaded is what vLLM counted as cached
+    assert stored >= DOCUMENTS * (DOC_TOKENS // CHUNK) * CHUNK
+
+    # The trace it names, through `flowkv trace summarize` and `timeline`.
+    [trace] = re.findall(r"^trace: (\S+)", out, re.M)
+    assert Path(trace).parent == traces and Path(trace).exists()
+    assert main(["trace", "summarize", trace]) == 0
+    summary = capsys.readouterr().out
+    for stage in ("gather", "scatter", "lookup"):
+        assert stage in summary, summary
+    if layerwise:
+        assert "overlap" in summary.lower(), summary
+    page = tmp_path / "timeline.html"
+    assert main(["trace", "timeline", trace, "-o", str(page)]) == 0
+    assert page.stat().st_size > 0 and "scatter" in page.read_text()
+
+
+def test_bench_ttft_speedups_are_the_ratios_of_its_times(capsys, own_environment):
+    lengths = [1024, 2048]
+    argv = ["bench", "ttft", "--lengths", ",".join(map(str, lengths)), "--model-dir", str(model_dir()), "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["lengths"] == lengths
+    ran = list(report["ttft_s"])
+    assert ran[:3] == ["no cache", "flowkv", "ExampleConnector"], report
+    # The peers vLLM cannot start on CPU are reported, not fatal (or run, where they can).
+    assert set(ran[3:]) | set(report["failed"]) == {"OffloadingConnector", "SimpleCPUOffloadConnector"}
+    base = report["ttft_s"]["no cache"]
+    for name in ran:
+        assert report["speedup_vs_no_cache"][name] == pytest.approx([b / t for b, t in zip(base, report["ttft_s"][name])])
+    assert report["served_tokens"]["no cache"] == [0, 0]
+    # A repeated prompt: flowkv serves its whole chunks, in whole blocks, short of the last token.
+    assert report["served_tokens"]["flowkv"] == [(n - 1) // BLOCK * BLOCK for n in lengths]
+    flowkv, no_cache = report["ttft_s"]["flowkv"], report["ttft_s"]["no cache"]
+    assert flowkv[-1] < no_cache[-1]  # 2,048 tokens: a copy against a prefill
