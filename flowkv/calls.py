@@ -2,9 +2,10 @@
 
 ::
 
-    KVTransfer(tokens, kv_caches, slot_mapping, mask, tags, request_id, lookup_id)
+    KVTransfer(tokens, kv_caches, slot_mapping, mask, tags, request_id, lookup_id, chunk_hashes)
         -> CacheEngine.store(t)    -> StoreResult(stored_tokens)
         -> CacheEngine.retrieve(t) -> RetrieveResult(ret_mask, loaded_to, failed_range)
+    CacheEngine.lookup_result(tokens | chunk_hashes) -> LookupResult(hit_tokens, memory_tokens)
 
 The same value goes to the layerwise forms (``store_layerwise``,
 ``retrieve_layerwise``), whose handles carry the result once finished.
@@ -20,7 +21,7 @@ import torch
 
 from flowkv.items import Request
 
-__all__ = ["KVTransfer", "RetrieveResult", "StoreResult", "as_tokens"]
+__all__ = ["KVTransfer", "LookupResult", "RetrieveResult", "StoreResult", "as_tokens"]
 
 
 @attrs.frozen(kw_only=True)
@@ -36,6 +37,9 @@ class KVTransfer:
     tags: Mapping[str, str] | None = None  # what else keys the KV (LoRA, tenant salt)
     request_id: str | None = None  # the inference engine's id, on spans
     lookup_id: Any = None  # retrieve: release the pins this lookup took
+    # The chained hashes of the chunks of ``tokens`` (tokens[0] starts a chunk) when the
+    # caller has them; then nothing is hashed (fixed-size chunks only).
+    chunk_hashes: Sequence[bytes] | None = None
 
     def request(self, chunk_size: int) -> Request:
         """The run's source item; a caller's mistake (shapes, mask) raises ``ValueError``."""
@@ -51,7 +55,17 @@ class KVTransfer:
             raise ValueError(f"slot_mapping has {slot_mapping.numel()} slots for {n} tokens")
         return Request(tokens=tokens, kv_caches=list(kv_caches), slot_mapping=slot_mapping.long(),
                        tags=dict(self.tags or {}), request_id=self.request_id, lookup_id=self.lookup_id,
-                       masked=_masked(self.mask, n, chunk_size))
+                       masked=_masked(self.mask, n, chunk_size), chunk_hashes=self.chunk_hashes)
+
+
+@attrs.frozen
+class LookupResult:
+    """What a lookup found: the hit, and how much of it a load only copies."""
+
+    hit_tokens: int  # tokens [0, hit_tokens) the tiers can serve (whole chunks, contiguous)
+    # Tokens [0, memory_tokens) of the hit are held by object tiers (memory): a load copies
+    # them. Past that the hit lies in byte tiers (disk, Redis), read (or prefetched) first.
+    memory_tokens: int
 
 
 @attrs.frozen

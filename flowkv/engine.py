@@ -3,6 +3,7 @@
 ::
 
     lookup(tokens)         -> hit tokens      [tokenize, chunk-hash, lookup]
+    lookup_result(...)     -> LookupResult    (the same, from tokens or chunk hashes)
     store(KVTransfer)      -> StoreResult     [tokenize, chunk-hash, allocate, gather, compress, put]
     retrieve(KVTransfer)   -> RetrieveResult  [tokenize, chunk-hash, lookup, get, decompress, scatter]
 
@@ -20,7 +21,7 @@ always did; given a ``KVTransfer`` they answer the result object.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, overload
 
@@ -28,7 +29,7 @@ import torch
 
 from flowkv import telemetry
 from flowkv.accounting import Accounting
-from flowkv.calls import KVTransfer, RetrieveResult, StoreResult
+from flowkv.calls import KVTransfer, LookupResult, RetrieveResult, StoreResult
 from flowkv.executor import Executor
 from flowkv.items import Request, Services
 from flowkv.kernels import KVGeometry
@@ -38,7 +39,7 @@ from flowkv.memory import MemoryObj
 from flowkv.pipeline import Pipeline, load_pipeline
 from flowkv.tiers.chain import StorageManager
 
-__all__ = ["CacheEngine", "KVTransfer", "MemoryObj", "RetrieveResult", "StoreResult"]
+__all__ = ["CacheEngine", "KVTransfer", "LookupResult", "MemoryObj", "RetrieveResult", "StoreResult"]
 
 # Room above one raw chunk in the largest memory object: an encoded payload's header,
 # and the few bytes a lossless codec can add to incompressible data.
@@ -112,7 +113,31 @@ class CacheEngine:
         Reads no payload. With ``pin``, memory hits are kept from eviction for
         ``lookup_id`` until ``retrieve(lookup_id=...)``, ``release`` or the pin timeout.
         """
-        return self.executor.lookup(tokens, pin=pin, tags=tags, lookup_id=lookup_id, request_id=request_id)
+        return self.executor.lookup(tokens, pin=pin, tags=tags, lookup_id=lookup_id,
+                                    request_id=request_id).hit_tokens
+
+    def lookup_result(
+        self,
+        tokens: Any = None,
+        *,
+        chunk_hashes: Sequence[bytes] | None = None,
+        num_tokens: int | None = None,
+        pin: bool = False,
+        tags: Mapping[str, str] | None = None,
+        lookup_id: Any = None,
+        request_id: str | None = None,
+        counted: tuple[int, int] | None = None,
+    ) -> LookupResult:
+        """``lookup``, answering which part of the hit memory holds (a load of it only copies).
+
+        Takes the tokens, or the chunks' chained hashes and the token count
+        (a caller that hashed the tokens already sends 32 bytes a chunk, not
+        the tokens). ``counted``: (tokens, hit tokens) earlier lookups of the
+        same request counted; the counters then take only the rest, so each
+        request's tokens count once (``lookup_repeats`` counts the repeats).
+        """
+        return self.executor.lookup(tokens, pin=pin, tags=tags, lookup_id=lookup_id, request_id=request_id,
+                                    chunk_hashes=chunk_hashes, num_tokens=num_tokens, counted=counted)
 
     @overload
     def store(self, transfer: KVTransfer, /) -> StoreResult: ...
@@ -169,6 +194,19 @@ class CacheEngine:
         drops a store that will not finish.
         """
         return self.executor.start_store(_transfer(tokens, transfer))
+
+    def held_tokens(self, chunk_hashes: Sequence[bytes], num_tokens: int, *,
+                    tags: Mapping[str, str] | None = None) -> int:
+        """How many of ``num_tokens`` tokens, chunked from the first and keyed by
+        ``chunk_hashes``, some tier holds now (whole chunks, contiguous from the
+        first). Runs no stage, takes no pin, counts nothing: a check before a load."""
+        keys = [key.to_str() for key in self.keys.prefix(tags).keys(chunk_hashes)]
+        held = 0
+        for tier in self.storage.find(keys):
+            if tier is None:
+                break
+            held += 1
+        return min(held * self.chunk_size, num_tokens)
 
     def release(self, lookup_id: Any) -> None:
         """Drop every pin ``lookup_id`` holds (a finished or aborted request)."""
@@ -239,7 +277,7 @@ class CacheEngine:
     def chunk_keys(self, request: Request, spans: Any = None) -> list[CacheKey]:
         """Keys of the request's chunks: every ``chunk_size`` tokens (a partial last one
         included), or of the given consecutive ``spans`` (from a segmenter)."""
-        return self.keys.of(request.tokens, request.tags, spans)
+        return self.keys.of(request.tokens, request.tags, spans, hashes=request.chunk_hashes)
 
 
 def _transfer(tokens: Any, keywords: dict[str, Any]) -> KVTransfer:

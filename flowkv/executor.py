@@ -23,13 +23,13 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from flowkv.accounting import Accounting
-from flowkv.calls import KVTransfer, RetrieveResult, StoreResult, as_tokens
+from flowkv.calls import KVTransfer, LookupResult, RetrieveResult, StoreResult, as_tokens
 from flowkv.items import Chunk, Request, RunContext, Services
 from flowkv.layerwise import LayerwiseRetrieve, LayerwiseStore
 from flowkv.pipeline import Pipeline
@@ -114,25 +114,47 @@ class Executor:
     # -- the calls --------------------------------------------------------------
 
     def lookup(self, tokens: Any, *, pin: bool = False, tags: Mapping[str, str] | None = None,
-               lookup_id: Any = None, request_id: str | None = None) -> int:
-        """Hit tokens: whole chunks the tiers hold, contiguous from token 0."""
+               lookup_id: Any = None, request_id: str | None = None,
+               chunk_hashes: Sequence[bytes] | None = None, num_tokens: int | None = None,
+               counted: tuple[int, int] | None = None) -> LookupResult:
+        """Whole chunks the tiers hold, contiguous from token 0, and which of them memory holds.
+
+        Given ``chunk_hashes`` (and ``num_tokens``) instead of ``tokens``, the
+        chunks are keyed by those hashes; the request then carries -1 for
+        every token (no stage of a lookup list reads them). ``counted`` is
+        (tokens, hit tokens) that earlier lookups of the same request counted:
+        this one is then a repeat, and counts only what they did not.
+        """
         if not self.healthy():
             self.skipped()
-            return 0
+            return LookupResult(0, 0)
         if pin and lookup_id is None:
             raise ValueError("lookup(pin=True) needs a lookup_id to release the pins by")
+        if tokens is None:
+            if chunk_hashes is None or num_tokens is None:
+                raise ValueError("lookup needs tokens, or chunk_hashes and num_tokens")
+            token_ids = torch.full((num_tokens,), -1, dtype=torch.int64)
+        else:
+            token_ids = as_tokens(tokens)
         started = time.perf_counter()
         self.services.storage.expire_pins()
-        request = Request(tokens=as_tokens(tokens), tags=dict(tags or {}), lookup_id=lookup_id,
-                          pin=pin, request_id=request_id)
-        self._run_whole("lookup", request)
+        request = Request(tokens=token_ids, tags=dict(tags or {}), lookup_id=lookup_id,
+                          pin=pin, request_id=request_id, chunk_hashes=chunk_hashes)
+        hits = self._run_whole("lookup", request)
         self.accounting.observe("lookup", started)
         hit = request.hit_tokens or 0
         count = self.accounting.count
-        count("lookups")
-        count("lookup_requested_tokens", request.num_tokens)
-        count("lookup_hit_tokens", hit)
-        return hit
+        counted_tokens, counted_hits = counted or (0, 0)
+        count("lookup_repeats" if counted_tokens else "lookups")
+        count("lookup_requested_tokens", max(0, request.num_tokens - counted_tokens))
+        count("lookup_hit_tokens", max(0, hit - counted_hits))
+        holds_objects = self.services.storage.holds_objects
+        memory = 0
+        for chunk in hits:
+            if not isinstance(chunk, Chunk) or not (chunk.skip or holds_objects(chunk.tier)):
+                break
+            memory = chunk.end
+        return LookupResult(hit, min(memory, hit))
 
     def _request(self, transfer: KVTransfer) -> Request:
         request = transfer.request(self.services.chunk_size)

@@ -45,6 +45,10 @@ class Request:
     hit_tokens: int | None = None
     # Token range [start, end) that lookup promised but retrieve could not load.
     failed_range: tuple[int, int] | None = None
+    # The chained hashes of the request's chunks (every chunk_size tokens from
+    # tokens[0]) when the caller has them: the vLLM scheduler hashes a request
+    # once and sends hashes, so chunk-hash makes keys without reading tokens.
+    chunk_hashes: Sequence[bytes] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -106,7 +110,7 @@ class Services:
 
     def chunk_keys(self, request: Request, spans: Sequence[tuple[int, int]] | None = None) -> list[CacheKey]:
         """Keys of ``request``'s chunks (every ``chunk_size`` tokens, or the given ``spans``)."""
-        return self.keys.of(request.tokens, request.tags, spans)
+        return self.keys.of(request.tokens, request.tags, spans, hashes=request.chunk_hashes)
 
     def count(self, name: str, n: float = 1) -> None:
         self.counters.count(name, n)

@@ -589,10 +589,18 @@ class ChunkKeys:
         return prefix
 
     def of(self, tokens: Any, tags: Mapping[str, str] | None = None,
-           spans: Sequence[tuple[int, int]] | None = None) -> list[CacheKey]:
+           spans: Sequence[tuple[int, int]] | None = None, *,
+           hashes: Sequence[bytes] | None = None) -> list[CacheKey]:
         """Keys of every ``chunk_size`` tokens (a partial last one included), or of the
-        given consecutive ``spans`` (from a segmenter)."""
+        given consecutive ``spans`` (from a segmenter).
+
+        ``hashes`` are the chunks' chained hashes when the caller has them (the
+        vLLM scheduler hashes a request once and sends them): the keys are made
+        from them, and the tokens are not read. They key fixed-size chunks only.
+        """
         prefix = self.prefix(tags)
+        if hashes is not None:
+            return self._given(prefix, len(tokens), spans, hashes)
         array_ = np.ascontiguousarray(tokens.numpy() if hasattr(tokens, "numpy") else np.asarray(tokens))
         num_tokens = len(array_)
         digest = xxhash.xxh3_128_digest(array_)  # no copy when contiguous
@@ -616,3 +624,18 @@ class ChunkKeys:
             while len(self.cache) > self._CACHED:
                 self.cache.popitem(last=False)
         return keys
+
+    def _given(self, prefix: KeyPrefix, num_tokens: int, spans: Sequence[tuple[int, int]] | None,
+               hashes: Sequence[bytes]) -> list[CacheKey]:
+        size = self.chunk_size
+        if spans is None:
+            spans = chunk_spans(num_tokens, size, save_partial=True)
+        if not all(start == i * size and end == min(start + size, num_tokens) for i, (start, end) in enumerate(spans)):
+            raise ValueError("chunk hashes given by the caller key fixed-size chunks only, not segments")
+        if len(hashes) < len(spans):
+            raise ValueError(f"{len(hashes)} chunk hashes given for {len(spans)} chunks")
+        for chunk_hash in hashes[:len(spans)]:
+            if not isinstance(chunk_hash, bytes) or len(chunk_hash) != self.hash_fn.digest_size:
+                raise ValueError(f"a given chunk hash is not a {self.hash_fn.digest_size}-byte "
+                                 f"{self.hash_fn.name} digest: {chunk_hash!r:.80}")
+        return prefix.keys(hashes[:len(spans)])

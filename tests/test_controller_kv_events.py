@@ -85,3 +85,19 @@ def test_no_events_when_chunks_do_not_cover_whole_blocks():
     prefix = KeyPrefix.build(model="m", world_size=1, worker_rank=0, dtype="bfloat16", layout="l")
     events.on_tier_event("admit", "memory", prefix.key(chain_hashes(TOKENS, 96, "sha256")[0]).to_str())
     assert isinstance(events.take(), FlowKVEvents) and events.take().get_all_events() == []
+
+
+def test_a_save_of_a_later_step_maps_its_own_chunks_from_the_hashes_the_scheduler_sent():
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    # The scheduler's save of the second step: chunk 1 only, its tokens and hash, nothing before it.
+    events = worker()
+    hashes = chain_hashes(TOKENS, CHUNK, "sha256", partial=False)
+    events.note_save(TOKENS[CHUNK:2 * CHUNK], VLLM_HASHES, skip_prefix=CHUNK, token_start=CHUNK,
+                     chunk_hashes=hashes[1:2])
+    events.on_tier_event("admit", "memory", keys()[0])  # chunk 0: not this save's
+    events.on_tier_event("admit", "memory", keys()[1])
+    [stored] = events.take().get_all_events()
+    external = [maybe_convert_block_hash(h) for h in VLLM_HASHES]
+    assert stored.block_hashes == external[2:4] and stored.parent_block_hash == external[1]
+    assert stored.token_ids == TOKENS[CHUNK:2 * CHUNK]

@@ -9,6 +9,7 @@ Faults (processes killed, servers restarted, corrupt disk) are in
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -100,6 +101,9 @@ def test_status_command_and_prometheus_metrics(server, pipeline):
     assert status["memory"]["used_bytes"] + status["memory"]["free_bytes"] == status["memory"]["capacity_bytes"]
     assert status["clients"]["connected"] == 1  # the status command itself
     assert status["health"] == {"memory": "healthy"}
+    # The arena's shared pages were made resident at start (in the background), all of them.
+    done_status = wait_for(lambda: (s := server.status())["memory"]["prefault"] == "done" and s, "the pre-fault")
+    assert done_status["memory"]["resident_bytes"] >= done_status["memory"]["capacity_bytes"]
     text = subprocess.run([sys.executable, "-m", "flowkv.cli", "server", "status", "--socket", str(server.socket)],
                           capture_output=True, text=True, cwd=ROOT, timeout=60).stdout
     assert f"{status['memory']['entries']} entries" in text and "1 connected" in text
@@ -107,6 +111,7 @@ def test_status_command_and_prometheus_metrics(server, pipeline):
     entries = server.status()["memory"]["entries"]
     assert f"flowkv_server_memory_entries {entries}" in metrics
     assert "# TYPE flowkv_server_committed_chunks_total counter" in metrics
+    assert f"flowkv_server_memory_resident_bytes {done_status['memory']['resident_bytes']}" in metrics
 
 
 def test_models_and_tags_never_share_an_entry(server, pipeline):
@@ -319,3 +324,15 @@ def test_sigterm_drains_write_behind_and_removes_socket_and_segment(node_servers
     assert e.lookup(tokens(0)) == 0  # gone: a miss, at once
     assert e.storage.health()["node"].value == "unhealthy"
     e.close()
+
+
+def test_an_arena_larger_than_its_shared_memory_filesystem_is_refused_at_start(tmp_path):
+    # A sparse segment past the filesystem's room would SIGBUS the first vLLM that writes there.
+    info = os.statvfs(tmp_path)
+    too_big = info.f_bavail * info.f_frsize + (1 << 30)
+    done = subprocess.run([sys.executable, "-m", "flowkv.cli", "server", "--socket", str(tmp_path / "n.sock"),
+                           "--memory", str(too_big), "--shm-dir", str(tmp_path)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 1
+    assert "cannot start" in done.stderr and f"does not fit {tmp_path}" in done.stderr
+    assert list(tmp_path.iterdir()) == []  # neither a segment nor a socket

@@ -119,3 +119,35 @@ def test_chunk_evicted_between_lookup_and_load_gives_identical_output(llm):
     [(third, _)] = generate(llm, [request(prompt, max_tokens=24, tags=tags)])
     assert stats(llm).get("lookup_hit_tokens", 0) - after.get("lookup_hit_tokens", 0) == 1792
     assert third == cold
+
+
+def test_a_request_waiting_for_blocks_is_looked_up_once_however_long_it_waits(llm):
+    engine = llm.llm_engine
+    shared = random_tokens(310, 2000)
+    generate(llm, [request(shared + [7], max_tokens=1)])
+
+    # A long request holds most of vLLM's pool: the next one is looked up
+    # and then waits for blocks, step after step, until the long one is done.
+    hog_prompt, hog_params = request(random_tokens(311, 3200), max_tokens=300)
+    engine.add_request("hog-2", hog_prompt, hog_params)
+    while engine.has_unfinished_requests():
+        if any(out.request_id == "hog-2" and out.outputs[0].token_ids for out in engine.step()):
+            break
+    before = stats(llm)
+    waiting_prompt, waiting_params = request(shared + [11, 12], max_tokens=4)
+    engine.add_request("waits-long", waiting_prompt, waiting_params)
+    steps_waited = 0
+    while not any(out.request_id == "waits-long" and out.outputs[0].token_ids for out in engine.step()):
+        steps_waited += 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    after = stats(llm)
+
+    def grew(name: str) -> int:
+        return int(after.get(name, 0) - before.get(name, 0))
+
+    # vLLM asked flowkv at every one of those steps; flowkv's workers were asked once.
+    assert steps_waited >= 50
+    assert (grew("lookups"), grew("lookup_repeats")) == (1, 0)
+    assert grew("lookup_requested_tokens") == 2002 // 256 * 256
+    assert grew("retrieved_tokens") == 1792

@@ -18,6 +18,9 @@ from typing import Any
 from flowkv.integration.vllm import FlowKVConnector, FlowKVMetadata
 
 LOG_ENV = "FLOWKV_PROBE_LOG"
+# A request tag: report this request's failed asynchronous load through its blocks only, never as a
+# failed receive (what vLLM does then is a fact the tests check).
+QUIET_FAILURES_TAG = "probe_quiet_failures"
 
 
 def _record(role: str, hook: str, **fields: Any) -> None:
@@ -37,6 +40,7 @@ class FlowKVProbe(FlowKVConnector):
     def __init__(self, vllm_config, role, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
         self._role_name = role.name.lower()
+        self._quiet_failures: set[str] = set()
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec if kv_cache_config else None
         _record(
             self._role_name, "init",
@@ -76,10 +80,18 @@ class FlowKVProbe(FlowKVConnector):
                          for i, req_id in enumerate(cached.req_ids)],
             cached_new_token_ids=[list(ids) for ids in cached.new_token_ids],
             num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
-            loads=[{"req_id": s.req_id, "start": s.start, "end": s.end} for s in meta.loads],
+            loads=[{"req_id": s.req_id, "start": s.start, "end": s.end, "load_async": s.load_async}
+                   for s in meta.loads],
             saves=len(meta.saves),
         )
         return meta
+
+    def update_connector_output(self, connector_output):
+        _record("scheduler", "update_connector_output",
+                finished_recving=sorted(connector_output.finished_recving or ()),
+                failed_recving=sorted(connector_output.failed_recving or ()),
+                invalid_block_ids=sorted(connector_output.invalid_block_ids or ()))
+        super().update_connector_output(connector_output)
 
     def request_finished(self, request, block_ids):
         result = super().request_finished(request, block_ids)
@@ -105,9 +117,22 @@ class FlowKVProbe(FlowKVConnector):
 
     def bind_connector_metadata(self, connector_metadata):
         loads = connector_metadata.loads if isinstance(connector_metadata, FlowKVMetadata) else []
-        _record("worker", "bind_connector_metadata", loads=[{"req_id": s.req_id, "start": s.start, "end": s.end}
-                                                            for s in loads])
+        _record("worker", "bind_connector_metadata", loads=[{"req_id": s.req_id, "start": s.start, "end": s.end,
+                                                             "load_async": s.load_async} for s in loads])
+        for load in loads:
+            if load.tags.get(QUIET_FAILURES_TAG):
+                self._quiet_failures.add(load.req_id)
         super().bind_connector_metadata(connector_metadata)
+
+    def get_transfer_results(self, finished_req_ids):
+        results = super().get_transfer_results(finished_req_ids)
+        # A request tagged QUIET_FAILURES_TAG has its failed load reported by its blocks only.
+        quiet = results.failed_recving & self._quiet_failures
+        results.failed_recving -= quiet
+        _record("worker", "get_transfer_results", finished_req_ids=sorted(finished_req_ids),
+                finished_recving=sorted(results.finished_recving), failed_recving=sorted(results.failed_recving),
+                quieted=sorted(quiet))
+        return results
 
     def clear_connector_metadata(self):
         _record("worker", "clear_connector_metadata")

@@ -16,6 +16,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "codecs": ("flowkv.bench.codecs", "compression ratio, speed and error per codec"),
     "capacity": ("flowkv.bench.capacity", "documents a fixed disk holds and warm TTFT from disk: raw, lossless, lossy"),
     "ttft": ("flowkv.bench.ttft", "vLLM time to first token: no cache, flowkv, ExampleConnector"),
+    "serve": ("flowkv.bench.serve", "vllm serve under concurrent clients: requests/s, TTFT, ITL with and without flowkv"),
+    "mix": ("flowkv.bench.mix", "vllm serve: memory-hit TTFT alone and beside disk hits, async loads on and off"),
     "route": ("flowkv.bench.route", "two vLLM servers: round-robin against flowkv route (hit rate, TTFT, req/s)"),
 }
 

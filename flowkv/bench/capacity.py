@@ -51,7 +51,7 @@ from flowkv.integration.harness import (
 from flowkv.sizes import parse_size
 from flowkv.pipeline import dumps_pipeline
 
-__all__ = ["add_arguments", "capacity_pipeline", "drop_page_cache", "run"]
+__all__ = ["add_arguments", "capacity_pipeline", "drop_page_cache", "run", "wait_written"]
 
 DEFAULT_CODECS = "none,zstd-shuffle:level=1,int8"
 
@@ -116,7 +116,7 @@ def drop_page_cache(folder: Path) -> int:
     return count
 
 
-def _wait_written(llm: Any, timeout_s: float = 120.0) -> dict[str, Any]:
+def wait_written(llm: Any, timeout_s: float = 120.0) -> dict[str, Any]:
     """Wait until the disk tier's write-behind queue is drained; returns the worker's stats."""
     from flowkv.integration.vllm import worker_stats
 
@@ -145,7 +145,7 @@ def _one_codec(model: Path, docs: list[list[int]], questions: list[list[int]], *
     llm = build_llm(model, kv_transfer_config=flowkv_config(str(path)), max_model_len=128 * (longest // 128 + 1))
     try:
         cold = [time_to_first_token(llm, doc + questions[0]) for doc in docs]
-        stats = _wait_written(llm)
+        stats = wait_written(llm)
         warm = []
         for doc in docs:
             best, served = float("inf"), 0

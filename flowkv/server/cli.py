@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -39,6 +40,9 @@ def add_commands(sub: Any) -> None:
     parser.add_argument("--max-pin", type=float, default=60.0, help="longest a lookup's pin may last, seconds")
     parser.add_argument("--slab", help="the largest chunk, e.g. 256MiB (default: the smaller of that and --memory)")
     parser.add_argument("--shm-dir", default="/dev/shm", help="where the shared segment is created")
+    parser.add_argument("--prefault", choices=("background", "now", "off"), default="background",
+                        help="make the arena's pages resident at start: in the background (default), before "
+                             "listening, or not (first touch); never below the machine's free-memory reserve")
     parser.add_argument("--name", help="a stable name for this cache (a fleet controller's holder id); "
                         "default HOST:SOCKET")
     parser.add_argument("--json", action="store_true", help="status: print JSON")
@@ -55,8 +59,11 @@ def run(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from flowkv.sizes import parse_size
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from flowkv.logs import LEVEL_ENV, setup_logging
+
+    setup_logging()  # flowkv's line format (the flowkv command has set it up already)
+    if not os.environ.get(LEVEL_ENV, "").strip():
+        logging.getLogger("flowkv").setLevel(logging.INFO)  # a daemon says when it starts, reclaims, stops
     if not args.memory:
         print("flowkv server: --memory SIZE is required (the shared arena, e.g. 16GiB)", file=sys.stderr)
         return 2
@@ -83,7 +90,7 @@ def _serve(args: argparse.Namespace) -> int:
     options = ServerOptions(socket_path=args.socket, memory_bytes=memory, pipeline=pipeline,
                             lease_timeout_s=args.lease_timeout, max_pin_s=args.max_pin, slab_bytes=slab,
                             metrics_port=args.metrics_port, metrics_host=args.metrics_host, shm_dir=args.shm_dir,
-                            name=args.name)
+                            name=args.name, prefault=args.prefault)
     try:
         server = NodeServer(options)
     except (OSError, ValueError, MemoryError) as exc:
@@ -126,7 +133,8 @@ def _status(args: argparse.Namespace) -> int:
           f"socket {status['socket']}")
     print(f"  memory   {memory['entries']} entries, {memory['used_bytes'] / gib:.2f} of "
           f"{memory['capacity_bytes'] / gib:.2f} GiB used ({memory['free_bytes'] / gib:.2f} free), "
-          f"{memory['pinned_entries']} pinned, {memory['evictions']} evicted")
+          f"{memory['pinned_entries']} pinned, {memory['evictions']} evicted; "
+          f"{memory['resident_bytes'] / gib:.2f} GiB resident (pre-fault {memory['prefault']})")
     print(f"  clients  {clients['connected']} connected, {clients['disconnected']} gone within the lease timeout; "
           f"held: {clients['allocations_held']} rooms, {clients['reads_held']} reads; reclaimed: "
           f"{clients['reclaimed_allocations']} rooms, {clients['reclaimed_reads']} reads, "

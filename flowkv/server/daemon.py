@@ -10,8 +10,9 @@
           │                               │   memory = MemoryTier over the segment    │
           └── mmap ── /dev/shm/flowkv-node-<socket hash>-<pid>-<rand> (the arena) ───┘
 
-The arena lives in one named shared-memory file; clients map it once and
-move KV in and out of its pages themselves. The loop thread owns the
+The arena lives in one named shared-memory file (a
+:class:`flowkv.resident.ResidentBuffer`, pre-faulted as ``--prefault`` says);
+clients map it once and move KV in and out of its pages themselves. The loop thread owns the
 sessions, handles and pins (:mod:`flowkv.server.leases`); requests that
 need a lower tier (a lookup or read that reaches disk or Redis) run on a
 small thread pool, so one slow disk read holds up no other client.
@@ -35,7 +36,6 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
-import mmap
 import os
 import queue
 import secrets
@@ -48,11 +48,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from flowkv import payload as payloads
 from flowkv.memory import MemoryArena
 from flowkv.pipeline_model import Pipeline, TelemetrySpec
+from flowkv.resident import PREFAULT_MODES, ResidentBuffer
 from flowkv.tiers import node_protocol as wire
 from flowkv.tiers.chain import Entry, StorageManager, TierEvent
 from flowkv.tiers.memory import MemoryTier
@@ -92,7 +91,8 @@ class ServerOptions:
     def __init__(self, *, socket_path: str | os.PathLike[str], memory_bytes: int, pipeline: Pipeline | None = None,
                  lease_timeout_s: float = 30.0, max_pin_s: float = 60.0, slab_bytes: int | None = None,
                  metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
-                 shm_dir: str | os.PathLike[str] = "/dev/shm", workers: int = 4, name: str | None = None) -> None:
+                 shm_dir: str | os.PathLike[str] = "/dev/shm", workers: int = 4, name: str | None = None,
+                 prefault: str = "background") -> None:
         self.socket_path = Path(socket_path)
         #: a stable name for this node's cache (a fleet controller's holder id); the id changes every start
         self.name = name or f"{socket.gethostname()}:{self.socket_path}"
@@ -107,6 +107,10 @@ class ServerOptions:
         self.metrics_host = metrics_host
         self.shm_dir = Path(shm_dir)
         self.workers = workers
+        if prefault not in PREFAULT_MODES:
+            raise ValueError(f"prefault must be one of {', '.join(PREFAULT_MODES)}; got {prefault!r}")
+        #: how the arena's pages are made resident at start (flowkv.resident): background, now or off
+        self.prefault = prefault
 
 
 class NodeServer:
@@ -119,11 +123,13 @@ class NodeServer:
         self.counters = _Counters()
         self.leases = LeaseTable(lease_timeout_s=options.lease_timeout_s)
         self._remove_stale_segments()
-        self.segment_path, self._mapping, buffer = self._create_segment()
-        self.buffer = buffer
+        self.segment = self._create_segment()
+        self.segment_path = self.segment.path
+        self.buffer = self.segment.tensor
         self.inode = os.stat(self.segment_path).st_ino
         try:
-            self.memory = MemoryTier.on_arena(_arena_over(buffer, options.memory_bytes, options.slab_bytes))
+            self.memory = MemoryTier.on_arena(MemoryArena(options.memory_bytes, slab_bytes=options.slab_bytes,
+                                                          backing=self.segment))
             self.storage = self._storage()
         except BaseException:
             self._remove_segment()
@@ -150,20 +156,26 @@ class NodeServer:
 
     # -- the segment -----------------------------------------------------------
 
-    def _create_segment(self) -> tuple[Path, mmap.mmap, torch.Tensor]:
+    def _create_segment(self) -> ResidentBuffer:
+        """The arena's named shared memory, pre-faulted (``--prefault``) within the machine's free memory.
+
+        A shared-memory file is sparse: one larger than the room left in its
+        filesystem (a container's 64 MiB ``/dev/shm``) is created without
+        complaint, and the first write past that room kills the writer with
+        SIGBUS — a vLLM gathering into it. So the room is checked first.
+        """
+        room = _free_bytes(self.options.shm_dir)
+        if room is not None and room < self.options.memory_bytes:
+            raise ValueError(f"--memory {self.options.memory_bytes / 2**30:.2f} GiB does not fit "
+                             f"{self.options.shm_dir}: {room / 2**30:.2f} GiB free there (df -h "
+                             f"{self.options.shm_dir}; in a container, --shm-size)")
         prefix = wire.segment_prefix(self.options.socket_path)
         path = self.options.shm_dir / f"{prefix}{os.getpid()}-{secrets.token_hex(4)}"
-        nbytes = self.options.memory_bytes
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, nbytes)
-            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            return ResidentBuffer.shared(path, self.options.memory_bytes, prefault=self.options.prefault)
         except BaseException:
-            os.close(fd)
             path.unlink(missing_ok=True)
             raise
-        os.close(fd)
-        return path, mapping, torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
 
     def _remove_stale_segments(self) -> None:
         """Segments left by servers on this socket that died without cleaning up (kill -9)."""
@@ -180,7 +192,8 @@ class NodeServer:
                 self.counters.count("stale_segments_removed")
 
     def _remove_segment(self) -> None:
-        self.segment_path.unlink(missing_ok=True)
+        self.segment.stop()
+        self.segment.unlink()
 
     # -- the tiers -------------------------------------------------------------
 
@@ -572,6 +585,7 @@ class NodeServer:
                 "free_bytes": arena.free_bytes, "evictions": memory.evictions,
                 "allocation_failures": memory.allocation_failures, "pinned_entries": memory.pinned_objects,
                 "hits": memory.hits, "misses": memory.misses,
+                "resident_bytes": self.segment.resident_bytes, "prefault": self.segment.prefault_state,
             },
             "clients": self.leases.counts(),
             "sessions": self.leases.clients(),
@@ -586,17 +600,13 @@ class NodeServer:
 # -- helpers -----------------------------------------------------------------------------
 
 
-def _arena_over(buffer: torch.Tensor, capacity: int, slab_bytes: int) -> MemoryArena:
-    """A page arena whose pages are ``buffer`` (the shared segment).
-
-    MemoryArena allocates its own buffer; a virtual one of the same size
-    costs no memory until touched, and is dropped for the segment at once.
-    (When the ``perf`` track's ResidentBuffer lands, the arena takes the
-    segment as its backing and pre-faults it; this goes.)
-    """
-    arena = MemoryArena(capacity, slab_bytes=slab_bytes, pin_memory=False)
-    arena.buffer = buffer[: arena.num_pages * arena.page_bytes]
-    return arena
+def _free_bytes(folder: Path) -> int | None:
+    """Bytes an unprivileged file may still take in ``folder``'s filesystem (None: unknown)."""
+    try:
+        info = os.statvfs(folder)
+    except OSError:
+        return None
+    return info.f_bavail * info.f_frsize
 
 
 def _describe(obj: Any, key: str, nbytes: Any, meta: Any) -> None:

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 
 from flowkv.integration.vllm.kv_events import PublishedEvents
@@ -104,7 +105,9 @@ class FlowKVConnector(KVConnectorBase_V1):
         return self.scheduler.request_finished(request, block_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """The workers' output of a step: flowkv's tier events for vLLM's KV event publisher."""
+        """The workers' output of a step: asynchronous loads that failed, and flowkv's tier
+        events for vLLM's KV event publisher."""
+        self.scheduler.update_connector_output(connector_output)
         self._published.absorb(connector_output.kv_cache_events)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
@@ -133,8 +136,13 @@ class FlowKVConnector(KVConnectorBase_V1):
         self.worker.wait_for_save(self._connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Loads and saves are synchronous: nothing is ever pending."""
-        return None, None
+        """Saves are synchronous; the asynchronous loads that finished since the last step."""
+        results = self.worker.take_transfer_results(finished_req_ids)
+        return None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished``, with the asynchronous loads that came back short named as failed."""
+        return self.worker.take_transfer_results(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()

@@ -103,7 +103,8 @@ class FleetLink:
     def note_save(self, save: SaveSpec, token_ids: list[int]) -> None:
         """Before a store: which of vLLM's blocks each chunk covers (for vLLM's KV events)."""
         if self.kv_events is not None:
-            self.kv_events.note_save(token_ids, save.block_hashes, save.skip_prefix)
+            self.kv_events.note_save(token_ids, save.block_hashes, save.skip_prefix,
+                                     token_start=save.token_start, chunk_hashes=save.chunk_hashes)
 
     def observe_latencies(self, latencies: dict[str, list[float]]) -> None:
         if self.holder is not None and latencies:

@@ -129,20 +129,31 @@ class TierBlockEvents:
         self._held: dict[bytes, set[str]] = {}
         self._pending: list[KVCacheEvent] = []
 
-    def note_save(self, token_ids: list[int], block_hashes: list[Any] | None, skip_prefix: int) -> None:
-        """Map the chunks past ``skip_prefix`` of a store to the vLLM blocks they cover."""
+    def note_save(self, token_ids: list[int], block_hashes: list[Any] | None, skip_prefix: int, *,
+                  token_start: int = 0, chunk_hashes: list[bytes] | None = None) -> None:
+        """Map the chunks past ``skip_prefix`` of a store to the vLLM blocks they cover.
+
+        ``token_ids`` are the request's tokens from ``token_start`` (a chunk boundary);
+        ``chunk_hashes``, when the scheduler sent them, are their full chunks' hashes.
+        """
         if not self.enabled or not block_hashes:
             return
         per_chunk = self._chunk_size // self._block_size
-        hashes = chain_hashes(token_ids, self._chunk_size, self._hash_name, partial=False)
+        first_chunk = token_start // self._chunk_size
+        full = len(token_ids) // self._chunk_size
+        if chunk_hashes is not None:
+            hashes = list(chunk_hashes[:full])
+        else:
+            hashes = chain_hashes(token_ids, self._chunk_size, self._hash_name, partial=False)
         with self._lock:
-            for index in range(skip_prefix // self._chunk_size, len(hashes)):
+            for local in range(max(0, skip_prefix - token_start) // self._chunk_size, len(hashes)):
+                index = first_chunk + local
                 first = index * per_chunk
                 blocks = block_hashes[first:first + per_chunk]
                 if len(blocks) < per_chunk:
                     break  # vLLM has not hashed these blocks (cannot happen for full chunks; be safe)
-                start = index * self._chunk_size
-                self._chunks.setdefault(hashes[index], _ChunkBlocks(
+                start = local * self._chunk_size
+                self._chunks.setdefault(hashes[local], _ChunkBlocks(
                     block_hashes=tuple(maybe_convert_block_hash(h) for h in blocks),
                     parent=maybe_convert_block_hash(block_hashes[first - 1]) if first else None,
                     token_ids=tuple(token_ids[start:start + self._chunk_size])))

@@ -5,7 +5,10 @@ vLLM's engine-core process and bound in every worker before the forward
 pass: this step's loads (``LoadSpec``) and saves (``SaveSpec``). Token
 counts in them are aligned to flowkv chunks or vLLM blocks with
 ``floor_to`` / ``ceil_to``; a worker turns a spec's blocks into the engine's
-``slot_mapping`` and skips its stored prefix with ``chunk_mask``.
+``slot_mapping`` and skips its stored prefix with ``chunk_mask``. A spec
+names its chunks by chained hash (``chunk_hashes``) and carries only the
+tokens of the chunks it touches; pipelines with a segmenter get every token
+from 0 instead (see ``chunk_hashes.py``).
 """
 
 from __future__ import annotations
@@ -22,31 +25,43 @@ __all__ = ["FlowKVMetadata", "LoadSpec", "SaveSpec", "ceil_to", "chunk_mask", "f
 class LoadSpec:
     """Load ``[start, end)`` of a request's tokens from flowkv into its blocks.
 
-    ``token_ids`` runs to the end of the last chunk the load touches, so the
-    engine can key every chunk; tokens outside ``[start, end)`` get slot -1
-    and are not written (vLLM holds them already, or will compute them).
+    ``token_ids`` are the request's tokens ``[token_start, token_start + len)``,
+    to the end of the last chunk the load touches, so the engine can key every
+    chunk; tokens outside ``[start, end)`` get slot -1 and are not written
+    (vLLM holds them already, or will compute them). ``chunk_hashes`` (None
+    for pipelines that cut chunks their own way) key the chunks of
+    ``token_ids``; then ``token_start`` is a chunk boundary and nothing before
+    it is sent.
     """
 
     req_id: str
     token_ids: list[int]
+    token_start: int
     block_ids: list[int]
     start: int
     end: int
-    # The chunk-aligned prefix the engine need not read at all.
+    # The chunk-aligned prefix the engine need not read at all (>= token_start).
     skip_prefix: int
     lookup_id: str | None
     tags: dict[str, str]
+    chunk_hashes: list[bytes] | None = None
+    # vLLM waits for the load between steps (it answered (n, True)): the worker
+    # reports the request in get_finished once it landed.
+    load_async: bool = False
 
 
 @dataclass
 class SaveSpec:
-    """Store the chunks of ``token_ids`` past ``skip_prefix`` (flowkv has those already)."""
+    """Store the chunks of ``token_ids`` (the request's tokens from ``token_start``) past ``skip_prefix``."""
 
     req_id: str
     token_ids: list[int]
+    token_start: int
     block_ids: list[int]
+    # Tokens before this flowkv has already (chunk-aligned, >= token_start).
     skip_prefix: int
     tags: dict[str, str]
+    chunk_hashes: list[bytes] | None = None
     # vLLM's own hashes of the full blocks of token_ids (only when flowkv publishes vLLM KV events).
     block_hashes: list[bytes] | None = None
 
@@ -69,15 +84,20 @@ def ceil_to(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def slot_mapping(block_ids: list[int], block_size: int, num_tokens: int, start: int, end: int) -> torch.Tensor:
-    """The paged-cache slot of each of ``num_tokens`` tokens held in ``block_ids``; -1 outside ``[start, end)``."""
+def slot_mapping(block_ids: list[int], block_size: int, token_start: int, num_tokens: int,
+                 start: int, end: int) -> torch.Tensor:
+    """The paged-cache slot of each of the request's tokens ``[token_start, token_start + num_tokens)``,
+    held in ``block_ids``; -1 outside ``[start, end)``."""
     blocks = torch.as_tensor(block_ids, dtype=torch.int64)
-    needed = ceil_to(min(end, num_tokens), block_size) // block_size
+    stop = min(end, token_start + num_tokens)
+    needed = ceil_to(stop, block_size) // block_size
     if needed > len(blocks):
         raise ValueError(f"{len(blocks)} blocks cannot hold {end} tokens of block size {block_size}")
     slots = torch.full((num_tokens,), -1, dtype=torch.int64)
-    inside = torch.arange(start, min(end, num_tokens), dtype=torch.int64)
-    slots[start:end] = blocks[inside // block_size] * block_size + inside % block_size
+    first = max(start, token_start)
+    if first < stop:
+        inside = torch.arange(first, stop, dtype=torch.int64)
+        slots[first - token_start:stop - token_start] = blocks[inside // block_size] * block_size + inside % block_size
     return slots
 
 

@@ -7,17 +7,24 @@ latency observations, and gauges. vLLM ships it to its logger process, where
 
 | metric | kind | labels |
 |---|---|---|
-| ``vllm:flowkv_requests_total`` | counter | ``op`` (lookup, store, retrieve) |
+| ``vllm:flowkv_requests_total`` | counter | ``op`` (lookup, lookup_repeat, store, retrieve, async_load) |
 | ``vllm:flowkv_requested_tokens_total`` | counter | |
 | ``vllm:flowkv_hit_tokens_total`` | counter | |
 | ``vllm:flowkv_stored_tokens_total`` | counter | |
 | ``vllm:flowkv_retrieved_tokens_total`` | counter | |
+| ``vllm:flowkv_short_loads_total`` | counter | loads that came back short (vLLM recomputed the rest) |
 | ``vllm:flowkv_hit_rate`` | gauge | hit tokens / requested tokens in the interval |
 | ``vllm:flowkv_tier_read_bytes_total`` / ``..._written_bytes_total`` | counter | ``tier`` |
 | ``vllm:flowkv_evictions_total`` | counter | ``tier`` |
 | ``vllm:flowkv_{lookup,store,retrieve}_seconds`` | histogram | |
 | ``vllm:flowkv_pinned_objects`` | gauge | |
 | ``vllm:flowkv_tier_healthy`` | gauge | ``tier`` (1 healthy, 0 skipped) |
+
+A request's lookup counts once: ``op="lookup"`` and its prompt tokens when
+first asked; should the scheduler ask again (a preemption, a miss stored
+meanwhile), the repeat counts as ``op="lookup_repeat"`` and adds only tokens
+and hits no earlier answer counted. ``op="async_load"`` counts the retrieves
+vLLM waited for between steps (they count as ``retrieve`` too).
 """
 
 from __future__ import annotations
@@ -28,8 +35,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 # Engine counters that become Prometheus counters, by stats key.
-_COUNTERS = ("lookups", "stores", "retrieves", "lookup_requested_tokens", "lookup_hit_tokens",
-             "stored_tokens", "retrieved_tokens")
+_COUNTERS = ("lookups", "lookup_repeats", "stores", "retrieves", "async_loads", "retrieve_short",
+             "lookup_requested_tokens", "lookup_hit_tokens", "stored_tokens", "retrieved_tokens")
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -113,6 +120,7 @@ class FlowKVPromMetrics(KVConnectorPromMetrics):
         self.hit_tokens = counter("hit_tokens", "Prompt tokens flowkv could serve (contiguous from 0)")
         self.stored_tokens = counter("stored_tokens", "Tokens whose KV flowkv stored")
         self.retrieved_tokens = counter("retrieved_tokens", "Tokens whose KV flowkv loaded into vLLM")
+        self.short_loads = counter("short_loads", "Loads that came back short: vLLM recomputed the rest")
         self.read_bytes = counter("tier_read_bytes", "Bytes read from each tier", ("tier",))
         self.written_bytes = counter("tier_written_bytes", "Bytes written to each tier", ("tier",))
         self.evictions = counter("evictions", "Entries evicted from each tier", ("tier",))
@@ -130,13 +138,15 @@ class FlowKVPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         base = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
         counters = transfer_stats_data.get("counters", {})
-        for op, key in (("lookup", "lookups"), ("store", "stores"), ("retrieve", "retrieves")):
+        for op, key in (("lookup", "lookups"), ("lookup_repeat", "lookup_repeats"), ("store", "stores"),
+                        ("retrieve", "retrieves"), ("async_load", "async_loads")):
             if counters.get(key):
                 self.requests.labels(*base, op).inc(counters[key])
         for metric, key in ((self.requested_tokens, "lookup_requested_tokens"),
                             (self.hit_tokens, "lookup_hit_tokens"),
                             (self.stored_tokens, "stored_tokens"),
-                            (self.retrieved_tokens, "retrieved_tokens")):
+                            (self.retrieved_tokens, "retrieved_tokens"),
+                            (self.short_loads, "retrieve_short")):
             if counters.get(key):
                 metric.labels(*base).inc(counters[key])
         for key, value in counters.items():

@@ -1,7 +1,7 @@
 """What a flowkv worker answers on its socket, and asking it from tools and tests.
 
 Each worker serves on its own Unix socket (``flowkv.integration._ipc``):
-``lookup`` and ``release`` from the scheduler-side connector, ``stats``,
+``lookup`` (tokens or chunk hashes) and ``release`` from the scheduler-side connector, ``stats``,
 ``flush_traces`` and ``ping`` from anyone (``worker_stats``,
 ``flush_worker_traces``). ``answer`` is the worker's side of every question.
 """
@@ -21,19 +21,42 @@ from flowkv.integration.vllm.settings import ConnectorSettings, Instance
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["answer", "flush_worker_traces", "worker_socket", "worker_stats"]
+__all__ = ["answer", "flush_worker_traces", "pack_hashes", "unpack_hashes", "worker_socket", "worker_stats"]
+
+
+def pack_hashes(hashes: list[bytes]) -> np.ndarray:
+    """Chunk hashes as an IPC body: their bytes end to end (the transport sends int64 words;
+    every digest is a whole number of them)."""
+    return np.frombuffer(b"".join(hashes), dtype="<i8")
+
+
+def unpack_hashes(body: np.ndarray, digest_size: int) -> list[bytes]:
+    """The chunk hashes ``pack_hashes`` sent."""
+    raw = body.tobytes()
+    if len(raw) % digest_size:
+        raise ValueError(f"a body of {len(raw)} bytes is not whole {digest_size}-byte chunk hashes")
+    return [raw[i:i + digest_size] for i in range(0, len(raw), digest_size)]
 
 
 def answer(engine: Any, engine_lock: threading.Lock, header: dict[str, Any], tokens: np.ndarray) -> dict[str, Any]:
-    """A worker's reply to one IPC request (runs on the server thread; ``engine`` is its ``CacheEngine``)."""
+    """A worker's reply to one IPC request (runs on the server thread; ``engine`` is its ``CacheEngine``).
+
+    A lookup carries the request's tokens, or (with ``num_tokens`` in the
+    header) its chunk hashes, which the scheduler worked out once.
+    """
     op = header.get("op")
     if op == "lookup":
+        keyed = "num_tokens" in header
+        counted = header.get("counted")
         with engine_lock:
-            hit = engine.lookup(
-                torch.from_numpy(tokens.copy()), pin=True, tags=header.get("tags") or None,
-                lookup_id=header["lookup_id"],
+            found = engine.lookup_result(
+                None if keyed else torch.from_numpy(tokens.copy()),
+                chunk_hashes=unpack_hashes(tokens, engine.hash_fn.digest_size) if keyed else None,
+                num_tokens=int(header["num_tokens"]) if keyed else None,
+                pin=True, tags=header.get("tags") or None, lookup_id=header["lookup_id"],
+                counted=tuple(counted) if counted and counted[0] else None,
             )
-        return {"hit_tokens": int(hit)}
+        return {"hit_tokens": found.hit_tokens, "memory_tokens": found.memory_tokens}
     if op == "release":
         with engine_lock:
             engine.release(header["lookup_id"])

@@ -2,37 +2,93 @@
 
 flowkv's engine lives in the workers, so a lookup asks every worker over IPC
 and waits at most ``[vllm] lookup_timeout_ms`` (0 hits past it). The
-scheduler keeps one ``RequestState`` per request it has seen: the pins its
-latest lookup holds, the load vLLM accepted, and how far the request's
+scheduler keeps one ``RequestState`` per request it has seen: the request's
+chunk hashes (``ChunkChain``, worked out once), the workers' latest answer
+and the pins it holds, the load vLLM accepted, and how far the request's
 chunks were asked to be stored, so each step's ``FlowKVMetadata`` carries
 only new work.
+
+**A lookup once per request.** vLLM asks ``get_num_new_matched_tokens``
+again on every step a request waits (no free blocks, the batch full) and
+after a preemption. The answer is kept and given again, with its pins, as
+long as the request is the same (tokens asked about, tokens vLLM computed),
+the pins are well inside their timeout, and no chunk the answer missed was
+stored since (the scheduler knows every chunk it asked a worker to store).
+Otherwise the workers are asked again: with the chunk hashes, never the
+tokens, and the workers count only tokens and hits no earlier answer for the
+request counted, so ``lookup_requested_tokens`` counts each request once.
+
+**Asynchronous loads.** When the hit lies (partly) below memory (``async_loads
+= "auto"``, the default) or for every hit (``"always"``), the answer is
+``(n, True)``: vLLM allocates the blocks, parks the request in
+``WAITING_FOR_REMOTE_KVS`` and goes on with the batch; the worker finishes the
+load once the lookup's prefetch landed and reports the request in
+``get_finished``. A short asynchronous load is reported failed as well, so
+vLLM looks the request up again and its cached-token count is what loaded.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from flowkv.integration._ipc import LookupClient
+from flowkv.integration.vllm.chunk_hashes import ChunkChain, VllmBlockHashes, keyed_pipeline
 from flowkv.integration.vllm.kv_events import publishes_kv_events
 from flowkv.integration.vllm.metadata import FlowKVMetadata, LoadSpec, SaveSpec, ceil_to, floor_to
+from flowkv.integration.vllm.query import pack_hashes
 from flowkv.integration.vllm.settings import ConnectorSettings, Instance, request_tags
+from flowkv.keys import default_hash_function_name, get_hash_function
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig, VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
     from flowkv.pipeline_model import Pipeline
 
 logger = logging.getLogger("flowkv.integration")
 
-__all__ = ["ConnectorScheduler", "RequestState"]
+__all__ = ["ConnectorScheduler", "LookupAnswer", "RequestState"]
+
+# Chunks the scheduler remembers asking a worker to store (to know a cached miss went stale).
+_SAVED_REMEMBERED = 1 << 16
+
+
+@dataclass
+class LookupAnswer:
+    """What the workers answered for a request, given again while vLLM asks the same."""
+
+    # Pins this answer holds in the workers (None: released, or none taken).
+    lookup_id: str | None
+    # The question: tokens asked about, and the tokens vLLM had computed.
+    end: int
+    computed: int
+    # The answer: the hit, and the part of it memory holds (the minimum over workers).
+    hit_tokens: int
+    memory_tokens: int
+    asked_at: float  # time.monotonic()
+    # The scheduler's save sequence number when asked: later saves may fill a miss.
+    save_seq: int
+
+
+@dataclass
+class PendingLoad:
+    """A load vLLM accepted (``update_state_after_alloc``) that the next metadata carries."""
+
+    start: int
+    end: int
+    hit_tokens: int
+    lookup_id: str | None
+    load_async: bool
 
 
 @dataclass
@@ -43,15 +99,17 @@ class RequestState:
     request: Request
     tags: dict[str, str]
     skip_save: bool
+    # The request's chunk hashes (None: the pipeline keys chunks by content, tokens are sent).
+    chain: ChunkChain | None
     block_ids: list[int] = field(default_factory=list)
-    # Pins held in the workers for this request's latest lookup.
-    lookup_id: str | None = None
-    # Tokens the latest lookup found (chunk-aligned) and the vLLM-computed
-    # tokens it was asked beyond.
-    hit_tokens: int = 0
-    lookup_base: int = 0
-    # A load vLLM accepted and the next step must carry out.
-    pending_load: tuple[int, int] | None = None
+    answer: LookupAnswer | None = None
+    # Whether the latest answer given to vLLM was (n, True).
+    offered_async: bool = False
+    # Tokens and hit tokens the workers counted for this request so far.
+    counted: tuple[int, int] = (0, 0)
+    pending_load: PendingLoad | None = None
+    # Asynchronous loads of this request that came back short: later loads are synchronous.
+    async_failures: int = 0
     # Tokens (chunk-aligned) this request asked flowkv to store.
     stored_end: int = 0
     # Tokens vLLM will have computed after the last scheduled step; fewer at
@@ -75,8 +133,20 @@ class ConnectorScheduler:
         self._partial_chunks = pipeline.section.save_partial_chunks
         self._loads = kv_transfer_config.is_kv_consumer
         self._saves = kv_transfer_config.is_kv_producer
+        self._async_loads = settings.async_loads
+        # An answer is given again only well inside the pins' timeout.
+        self._answer_ttl_s = pipeline.section.pin_timeout_s / 2
+        self._keyed = keyed_pipeline(pipeline)
+        hash_name = pipeline.section.hash
+        self._hash_fn = get_hash_function(default_hash_function_name() if hash_name == "auto" else hash_name)
+        self._vllm_hashes = VllmBlockHashes(vllm_config, pipeline) if self._keyed else None
         self._requests: dict[str, RequestState] = {}
         self._lookup_seq = itertools.count()
+        # Chunk hash -> the save that asked for it; the sequence number counts saves.
+        self._saved_at: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self._save_seq = 0
+        # Requests whose accepted asynchronous load the next metadata carries.
+        self._async_to_send: list[RequestState] = []
         # Saves carry vLLM's block hashes when flowkv's tiers go into vLLM's KV events.
         self.publishes_kv_events = publishes_kv_events(vllm_config, pipeline)
         # vLLM reads this policy after it built the connector.
@@ -88,29 +158,68 @@ class ConnectorScheduler:
         paths = [instance.socket(settings.ipc_dir, rank) for rank in range(instance.world_size)]
         self._lookup_client: LookupClient | None = LookupClient(paths, timeout_ms=pipeline.vllm.lookup_timeout_ms)
 
+    # -- lookups ------------------------------------------------------------------
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens past ``num_computed_tokens`` flowkv can load: whole vLLM
         blocks, never the request's last token, 0 when the workers do not
-        answer in time."""
+        answer in time; and whether vLLM should wait for the load between steps."""
         state = self._state_for(request)
-        self._release(state)
-        state.hit_tokens = 0
-        state.lookup_base = num_computed_tokens
+        state.offered_async = False
         num_tokens = request.num_tokens
         # The last token is always computed: its logits are the next token's.
         ceiling = floor_to(num_tokens - 1, self._block_size)
-        if not self._loads or ceiling <= num_computed_tokens or request.prompt_token_ids is None:
-            return 0, False
         # Only whole chunks can hit unless the pipeline stores partial ones.
         lookup_end = num_tokens if self._partial_chunks else floor_to(num_tokens, self._chunk_size)
-        if lookup_end <= num_computed_tokens:
+        if (not self._loads or ceiling <= num_computed_tokens or request.prompt_token_ids is None
+                or lookup_end <= num_computed_tokens):
+            self._drop_answer(state)
             return 0, False
+        answer = state.answer
+        if answer is None or not self._still_holds(state, answer, lookup_end, num_computed_tokens):
+            self._drop_answer(state)
+            answer = self._ask(state, lookup_end, num_computed_tokens)
+            if answer is None:
+                return 0, False
+        # Whole vLLM blocks only: a partial block would be written by the
+        # load and again by the forward pass, or shared with another request.
+        usable = floor_to(min(answer.hit_tokens, num_tokens - 1), self._block_size)
+        if usable <= num_computed_tokens:
+            # Nothing to load: no pins needed, but the answer stands (asking again would find the same).
+            self._release(answer)
+            return 0, False
+        state.offered_async = self._load_async(state, answer, usable)
+        return usable - num_computed_tokens, state.offered_async
+
+    def _still_holds(self, state: RequestState, answer: LookupAnswer, end: int, computed: int) -> bool:
+        """Whether the workers would answer the same now (see the module docstring)."""
+        if (answer.end, answer.computed) != (end, computed):
+            return False
+        if time.monotonic() - answer.asked_at > self._answer_ttl_s:
+            return False
+        if answer.hit_tokens >= end:
+            return True
+        if state.chain is None:
+            return self._save_seq <= answer.save_seq
+        # Only a store of the first chunk the answer missed can lengthen the hit.
+        miss = answer.hit_tokens // self._chunk_size
+        if miss >= len(state.chain.full):
+            return True  # a partial chunk: the connector never stores one
+        return self._saved_at.get(state.chain.full[miss], -1) <= answer.save_seq
+
+    def _ask(self, state: RequestState, end: int, computed: int) -> LookupAnswer | None:
+        """Ask every worker how much of the request's first ``end`` tokens it holds, pinning the hit."""
         assert self._lookup_client is not None
-        token_ids = request.all_token_ids[:lookup_end]
+        request = state.request
         lookup_id = f"{request.request_id}#{next(self._lookup_seq)}"
-        replies = self._lookup_client.ask(
-            {"op": "lookup", "lookup_id": lookup_id, "tags": state.tags}, np.asarray(token_ids, dtype=np.int64)
-        )
+        header: dict[str, Any] = {"op": "lookup", "lookup_id": lookup_id, "tags": state.tags,
+                                  "counted": list(state.counted)}
+        if state.chain is not None:
+            header["num_tokens"] = end
+            body = pack_hashes(state.chain.hashes(request, 0, end))
+        else:
+            body = np.asarray(request.all_token_ids[:end], dtype=np.int64)
+        replies = self._lookup_client.ask(header, body)
         if replies is None or not all(reply.get("ok") for reply in replies):
             for reply in replies or ():
                 if not reply.get("ok"):
@@ -118,25 +227,44 @@ class ConnectorScheduler:
             # Pins a late answer may have taken are dropped by this release,
             # which each worker handles after the lookup it follows.
             self._lookup_client.tell({"op": "release", "lookup_id": lookup_id})
-            return 0, False
-        state.lookup_id = lookup_id
-        state.hit_tokens = min(int(reply["hit_tokens"]) for reply in replies)
-        # Whole vLLM blocks only: a partial block would be written by the
-        # load and again by the forward pass, or shared with another request.
-        usable = floor_to(min(state.hit_tokens, num_tokens - 1), self._block_size)
-        if usable <= num_computed_tokens:
-            self._release(state)
-            return 0, False
-        return usable - num_computed_tokens, False
+            return None
+        hit = min(int(reply["hit_tokens"]) for reply in replies)
+        memory = min(int(reply.get("memory_tokens", 0)) for reply in replies)
+        state.counted = (max(state.counted[0], end), max(state.counted[1], hit))
+        state.answer = LookupAnswer(lookup_id=lookup_id, end=end, computed=computed, hit_tokens=hit,
+                                    memory_tokens=min(memory, hit), asked_at=time.monotonic(),
+                                    save_seq=self._save_seq)
+        return state.answer
+
+    def _load_async(self, state: RequestState, answer: LookupAnswer, usable: int) -> bool:
+        if self._async_loads == "off" or state.async_failures:
+            return False
+        return self._async_loads == "always" or answer.memory_tokens < usable
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        """Record the load vLLM accepted, or drop the pins when it took none."""
+        """Record the load vLLM accepted, or drop the pins when it took none.
+
+        vLLM calls this again for a request whose asynchronous load finished,
+        with no external tokens: there is nothing left to do then.
+        """
         state = self._state_for(request)
-        if num_external_tokens > 0:
-            start = state.lookup_base
-            state.pending_load = (start, start + num_external_tokens)
-        else:
-            self._release(state)
+        answer, state.answer = state.answer, None
+        if num_external_tokens <= 0:
+            if answer is not None:
+                self._release(answer)
+            return
+        start = answer.computed if answer is not None else request.num_computed_tokens
+        state.pending_load = PendingLoad(
+            start=start, end=start + num_external_tokens,
+            hit_tokens=answer.hit_tokens if answer is not None else start + num_external_tokens,
+            lookup_id=answer.lookup_id if answer is not None else None, load_async=state.offered_async,
+        )
+        if state.offered_async:
+            # Not scheduled this step: the blocks come from here, not from the scheduler output.
+            state.block_ids = list(blocks.get_block_ids()[0])
+            self._async_to_send.append(state)
+
+    # -- each step's loads and saves -------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> FlowKVMetadata:
         """This step's loads (accepted in ``update_state_after_alloc``) and
@@ -168,58 +296,88 @@ class ConnectorScheduler:
                 # (a failed load poisons the rest of its step); ask again.
                 # The engine skips chunks it already holds.
                 state.stored_end = min(state.stored_end, floor_to(num_computed, self._chunk_size))
-            if state.pending_load is not None:
-                start, end = state.pending_load
-                state.pending_load = None
-                skip_prefix = floor_to(start, self._chunk_size)
-                meta.loads.append(
-                    LoadSpec(
-                        req_id=req_id,
-                        # To the end of the chunk holding the last loaded token
-                        # (a stored partial chunk ends at the hit).
-                        token_ids=state.request.all_token_ids[
-                            :min(ceil_to(end, self._chunk_size), max(state.hit_tokens, end))
-                        ],
-                        block_ids=list(state.block_ids),
-                        start=start,
-                        end=end,
-                        skip_prefix=skip_prefix,
-                        lookup_id=state.lookup_id,
-                        tags=state.tags,
-                    )
-                )
-                # The retrieve releases the lookup's pins.
-                state.lookup_id = None
-                # Chunks flowkv serves are chunks it holds. Should the load
-                # come back short, vLLM rolls the request back and the check
-                # above lowers this again.
-                state.stored_end = max(state.stored_end, floor_to(end, self._chunk_size))
+            if state.pending_load is not None and not state.pending_load.load_async:
+                meta.loads.append(self._load_spec(state))
             computed_after_step = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             state.expected_computed = computed_after_step
-            if state.skip_save or not self._saves:
-                continue
-            known_tokens = state.request.num_tokens if self._save_decode else state.request.num_prompt_tokens
-            store_end = floor_to(min(computed_after_step, known_tokens), self._chunk_size)
-            if store_end > state.stored_end:
-                meta.saves.append(
-                    SaveSpec(
-                        req_id=req_id,
-                        token_ids=state.request.all_token_ids[:store_end],
-                        block_ids=list(state.block_ids),
-                        skip_prefix=state.stored_end,
-                        tags=state.tags,
-                        block_hashes=list(state.request.block_hashes) if self.publishes_kv_events else None,
-                    )
-                )
-                state.stored_end = store_end
+            save = self._save_spec(state, computed_after_step)
+            if save is not None:
+                meta.saves.append(save)
+        # Loads vLLM waits for between steps: their requests are not scheduled now.
+        for state in self._async_to_send:
+            if state.pending_load is not None and state.request.request_id in self._requests:
+                end = state.pending_load.end
+                meta.loads.append(self._load_spec(state))
+                state.expected_computed = end
+        self._async_to_send = []
         return meta
+
+    def _load_spec(self, state: RequestState) -> LoadSpec:
+        load, state.pending_load = state.pending_load, None
+        assert load is not None
+        request = state.request
+        size = self._chunk_size
+        skip_prefix = floor_to(load.start, size)
+        # To the end of the chunk holding the last loaded token (a stored partial chunk ends at the hit).
+        end_of_tokens = min(ceil_to(load.end, size), max(load.hit_tokens, load.end))
+        if state.chain is not None:
+            token_start = skip_prefix
+            hashes: list[bytes] | None = state.chain.hashes(request, token_start, end_of_tokens)
+        else:
+            token_start, hashes = 0, None
+        # Chunks flowkv serves are chunks it holds. Should the load come back
+        # short, vLLM rolls the request back and the check in
+        # build_connector_meta lowers this again.
+        state.stored_end = max(state.stored_end, floor_to(load.end, size))
+        # The retrieve releases the lookup's pins.
+        return LoadSpec(req_id=request.request_id, token_ids=request.all_token_ids[token_start:end_of_tokens],
+                        token_start=token_start, block_ids=list(state.block_ids), start=load.start, end=load.end,
+                        skip_prefix=skip_prefix, lookup_id=load.lookup_id, tags=state.tags,
+                        chunk_hashes=hashes, load_async=load.load_async)
+
+    def _save_spec(self, state: RequestState, computed_after_step: int) -> SaveSpec | None:
+        """The chunks this step completes that flowkv was not asked to store yet."""
+        if state.skip_save or not self._saves:
+            return None
+        request = state.request
+        known_tokens = request.num_tokens if self._save_decode else request.num_prompt_tokens
+        store_end = floor_to(min(computed_after_step, known_tokens), self._chunk_size)
+        start = state.stored_end
+        if store_end <= start:
+            return None
+        state.stored_end = store_end
+        # vLLM's block hashes, for flowkv's tier events in vLLM's KV events (when those are published).
+        block_hashes = list(request.block_hashes) if self.publishes_kv_events else None
+        if state.chain is None:
+            return SaveSpec(req_id=request.request_id, token_ids=request.all_token_ids[:store_end], token_start=0,
+                            block_ids=list(state.block_ids), skip_prefix=start, tags=state.tags,
+                            block_hashes=block_hashes)
+        hashes = state.chain.hashes(request, start, store_end)
+        self._save_seq += 1
+        for chunk_hash in hashes:
+            self._saved_at[chunk_hash] = self._save_seq
+            self._saved_at.move_to_end(chunk_hash)
+        while len(self._saved_at) > _SAVED_REMEMBERED:
+            self._saved_at.popitem(last=False)
+        return SaveSpec(req_id=request.request_id, token_ids=request.all_token_ids[start:store_end],
+                        token_start=start, block_ids=list(state.block_ids), skip_prefix=start, tags=state.tags,
+                        chunk_hashes=hashes, block_hashes=block_hashes)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """A short asynchronous load makes that request's later loads synchronous."""
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.async_failures += 1
+
+    # -- the end ---------------------------------------------------------------------
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Drop the request's pins; saves are done by the time it finishes, so
         its blocks can be freed at once."""
         state = self._requests.pop(request.request_id, None)
         if state is not None:
-            self._release(state)
+            self._drop_answer(state)
         return False, None
 
     def shutdown(self) -> None:
@@ -231,11 +389,17 @@ class ConnectorScheduler:
         state = self._requests.get(request.request_id)
         if state is None:
             tags, skip_save = request_tags(request)
-            state = RequestState(request=request, tags=tags, skip_save=skip_save)
+            chain = ChunkChain(request, self._chunk_size, self._hash_fn, self._vllm_hashes) if self._keyed else None
+            state = RequestState(request=request, tags=tags, skip_save=skip_save, chain=chain)
             self._requests[request.request_id] = state
         return state
 
-    def _release(self, state: RequestState) -> None:
-        if state.lookup_id is not None and self._lookup_client is not None:
-            self._lookup_client.tell({"op": "release", "lookup_id": state.lookup_id})
-        state.lookup_id = None
+    def _drop_answer(self, state: RequestState) -> None:
+        if state.answer is not None:
+            self._release(state.answer)
+        state.answer = None
+
+    def _release(self, answer: LookupAnswer) -> None:
+        if answer.lookup_id is not None and self._lookup_client is not None:
+            self._lookup_client.tell({"op": "release", "lookup_id": answer.lookup_id})
+        answer.lookup_id = None

@@ -1,7 +1,8 @@
 """What the connector takes from vLLM's configuration and from each request.
 
 - ``ConnectorSettings``: ``kv_connector_extra_config`` split into the keys the
-  connector reads itself (``pipeline``, ``model_name``, ``ipc_dir``) and
+  connector reads itself (``pipeline``, ``model_name``, ``ipc_dir``,
+  ``async_loads``) and
   pipeline overrides by dotted path (the ``[vllm]`` table's ``save_decode``
   and ``lookup_timeout_ms`` may be given bare).
 - ``Instance``: the vLLM instance a connector serves (its id, data-parallel
@@ -33,7 +34,9 @@ DEFAULT_PIPELINE = "local-cpu"
 TAG_PREFIX = "flowkv.tag."
 SKIP_SAVE_KEY = "flowkv.skip_save"
 # Extra-config keys the connector reads itself; every other key overrides the pipeline.
-_CONNECTOR_KEYS = ("pipeline", "model_name", "ipc_dir")
+_CONNECTOR_KEYS = ("pipeline", "model_name", "ipc_dir", "async_loads")
+# When vLLM waits for a load between steps instead of in the step that needs it.
+ASYNC_LOADS = ("auto", "always", "off")
 # Bare extra-config keys that live in the pipeline's [vllm] table.
 _VLLM_SECTION_KEYS = ("save_decode", "lookup_timeout_ms")
 
@@ -47,6 +50,8 @@ class ConnectorSettings:
     overrides: dict[str, Any]
     model_name: str
     ipc_dir: Path
+    # "auto": hits that lie (partly) below memory load asynchronously; "always": every hit; "off": none.
+    async_loads: str = "auto"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, *, default_model: str) -> ConnectorSettings:
@@ -61,6 +66,10 @@ class ConnectorSettings:
         model_name = extra.get("model_name", default_model)
         if not isinstance(model_name, str) or not model_name:
             raise ValueError(f"kv_connector_extra_config 'model_name' must be a non-empty string, got {model_name!r}")
+        async_loads = extra.get("async_loads", "auto")
+        if async_loads not in ASYNC_LOADS:
+            raise ValueError(f"kv_connector_extra_config 'async_loads' must be one of {', '.join(ASYNC_LOADS)}, "
+                             f"got {async_loads!r}")
         overrides: dict[str, Any] = {}
         for key, value in extra.items():
             if key in _CONNECTOR_KEYS:
@@ -75,6 +84,7 @@ class ConnectorSettings:
             overrides=overrides,
             model_name=model_name,
             ipc_dir=Path(extra["ipc_dir"]) if extra.get("ipc_dir") else default_ipc_dir(),
+            async_loads=async_loads,
         )
 
     @classmethod

@@ -7,7 +7,10 @@ loads in ``start_load_kv`` (or layer by layer, for layerwise pipelines,
 until ``wait_for_layer_load``), saves in ``wait_for_save`` (or layer by layer
 from ``save_kv_layer``). A load that comes back short becomes vLLM load
 errors, so vLLM recomputes those blocks; a save whose request loaded short
-is cut there or dropped.
+is cut there or dropped. Loads vLLM waits for between steps are held in
+``start_load_kv`` and finished in ``get_finished`` (``async_loads.py``).
+Specs name their chunks by chained hash and carry only the tokens of the
+chunks they touch (``token_start`` on): the engine call is made for those.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from flowkv.calls import KVTransfer
 from flowkv.integration._ipc import LookupServer
+from flowkv.integration.vllm.async_loads import AsyncLoads
 from flowkv.integration.vllm.fleet import FleetLink
 from flowkv.integration.vllm.metadata import FlowKVMetadata, LoadSpec, SaveSpec, chunk_mask, floor_to, slot_mapping
 from flowkv.integration.vllm.query import answer
@@ -31,7 +35,7 @@ from flowkv.integration.vllm.tracing import StepTrace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorTransferResults
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
@@ -101,6 +105,11 @@ class ConnectorWorker:
         self._layer_saves: list[_LayerwiseSave] | None = None
         self._step: StepTrace | None = None
         self._step_seq = itertools.count()
+        self._async_loads = AsyncLoads(engine_lock=self._engine_lock, block_size=self._block_size,
+                                       transfer=lambda load: self._transfer(load, load.token_ids, load.start,
+                                                                            load.end, lookup_id=load.lookup_id),
+                                       reached=self._reached, load_failed=self._load_failed,
+                                       wait_limit_s=pipeline.section.pin_timeout_s / 2)
         self._fleet: FleetLink | None = None
 
     # -- set-up and the scheduler's questions ---------------------------------
@@ -168,15 +177,22 @@ class ConnectorWorker:
 
     def _transfer(self, spec: LoadSpec | SaveSpec, token_ids: list[int], start: int, end: int,
                   lookup_id: str | None = None) -> KVTransfer:
-        """The engine call for ``token_ids`` of a load or save (whole or layerwise).
+        """The engine call for ``token_ids`` (the request's tokens from ``spec.token_start``)
+        of a load or save, whole or layerwise.
 
         Slots outside ``[start, end)`` are -1: vLLM holds those tokens, or computes them this step.
         """
         tokens = torch.tensor(token_ids, dtype=torch.int64)
+        offset = spec.token_start
         return KVTransfer(tokens=tokens, kv_caches=self._kv_layers,
-                          slot_mapping=slot_mapping(spec.block_ids, self._block_size, len(tokens), start, end),
-                          mask=chunk_mask(len(tokens), spec.skip_prefix), tags=spec.tags or None,
-                          request_id=spec.req_id, lookup_id=lookup_id)
+                          slot_mapping=slot_mapping(spec.block_ids, self._block_size, offset, len(tokens), start, end),
+                          mask=chunk_mask(len(tokens), spec.skip_prefix - offset), tags=spec.tags or None,
+                          request_id=spec.req_id, lookup_id=lookup_id, chunk_hashes=spec.chunk_hashes)
+
+    @staticmethod
+    def _reached(load: LoadSpec, relative_to: int) -> int:
+        """Where a load of ``[start, end)`` got to, given how far into its tokens the engine got."""
+        return min(max(load.token_start + relative_to, load.start), load.end)
 
     # -- a step ---------------------------------------------------------------
 
@@ -210,6 +226,10 @@ class ConnectorWorker:
             return
         step = self._step_trace(meta)
         for load in meta.loads:
+            if load.load_async:
+                # Not in this step's batch: finished between steps, whole (see async_loads.py).
+                self._async_loads.add(load)
+                continue
             if self._engine.layerwise:
                 self._start_layerwise_load(load, step)
                 continue
@@ -218,7 +238,7 @@ class ConnectorWorker:
                 transfer = self._transfer(load, load.token_ids, load.start, load.end, lookup_id=load.lookup_id)
                 with self._engine_lock, step.active(load.req_id):
                     result = self._engine.retrieve(transfer)
-                loaded_to = result.loaded_within(load.start, load.end)
+                loaded_to = self._reached(load, result.loaded_to)
             except Exception:
                 self._load_failed(load)
             self._loaded(load, loaded_to, step)
@@ -245,7 +265,7 @@ class ConnectorWorker:
             return
         # The head found and read its chunks: unless a layer fails, the load ends where they end.
         self._layer_loads.append(_LayerwiseLoad(spec=load, handle=handle,
-                                                expected_to=handle.found_within(load.start, load.end)))
+                                                expected_to=self._reached(load, handle.found_to)))
 
     def _finish_layerwise_loads(self) -> None:
         """Masks of this step's layerwise loads; a short one becomes vLLM load errors."""
@@ -258,7 +278,7 @@ class ConnectorWorker:
             try:
                 with self._engine_lock:
                     pending.handle.finish()
-                loaded_to = pending.handle.result.loaded_within(load.start, load.end)
+                loaded_to = self._reached(load, pending.handle.result.loaded_to)
             except Exception:
                 self._load_failed(load)
             pending.loaded_to = loaded_to
@@ -344,7 +364,7 @@ class ConnectorWorker:
             if token_ids is None:
                 continue
             try:
-                transfer = self._transfer(save, token_ids, 0, len(token_ids))
+                transfer = self._transfer(save, token_ids, save.token_start, save.token_start + len(token_ids))
                 if self._fleet is not None:
                     self._fleet.note_save(save, token_ids)
                 with self._engine_lock, step.active(save.req_id):
@@ -360,8 +380,8 @@ class ConnectorWorker:
         if loaded_to is not None:
             # Only KV before the first missing token is right; vLLM
             # recomputes the rest and the scheduler asks again then.
-            token_ids = token_ids[:floor_to(loaded_to, self._chunk_size)]
-            if len(token_ids) <= save.skip_prefix:
+            token_ids = token_ids[:max(0, floor_to(loaded_to, self._chunk_size) - save.token_start)]
+            if save.token_start + len(token_ids) <= save.skip_prefix:
                 return None
         return token_ids
 
@@ -406,7 +426,7 @@ class ConnectorWorker:
             if token_ids is None:
                 continue
             try:
-                transfer = self._transfer(save, token_ids, 0, len(token_ids))
+                transfer = self._transfer(save, token_ids, save.token_start, save.token_start + len(token_ids))
                 if self._fleet is not None:
                     self._fleet.note_save(save, token_ids)
                 with self._engine_lock, step.active(save.req_id):
@@ -415,6 +435,18 @@ class ConnectorWorker:
             except Exception:
                 # A store that fails is a later miss; inference goes on.
                 logger.exception("flowkv: store for request %s failed", save.req_id)
+
+    # -- loads vLLM waits for between steps (see async_loads.py) ---------------------
+
+    def take_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """The asynchronous loads that finished since the last step (``get_finished``)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        if not self._async_loads or self._engine is None:
+            return KVConnectorTransferResults()
+        done = self._async_loads.finish(self._engine, finished_req_ids)
+        self._load_error_blocks |= done.error_blocks
+        return KVConnectorTransferResults(finished_recving=done.recving, failed_recving=done.failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load came back short since the last call (vLLM recomputes them)."""

@@ -1,0 +1,372 @@
+"""``flowkv bench serve``: vLLM's OpenAI server under concurrent load, without a connector, with flowkv, with a peer.
+
+For each configuration one ``vllm serve`` of the demo model starts on
+loopback, as a user runs it (vLLM's own prefix caching on, its KV pool sized
+to ``--pool-docs`` documents), and vLLM's own client, ``vllm bench serve``,
+drives it with its ``prefix_repetition`` dataset: ``--docs`` documents of
+``--doc-tokens`` tokens, each asked ``--asks`` times with a different
+``--question-tokens`` question, in shuffled order. There are more documents
+than vLLM's pool holds, so its own prefix cache cannot serve them all.
+
+=================  ============================================================
+``none``           vLLM alone (its prefix cache only)
+``local-cpu``      flowkv, the memory tier
+``cpu-disk``       flowkv, a memory tier of ``--memory-docs`` documents in front
+                   of a disk tier (hits past memory are read from disk,
+                   asynchronously)
+``example``        vLLM's ``ExampleConnector`` (safetensors files)
+=================  ============================================================
+
+Every concurrency level gets documents of its own (another dataset seed),
+so each starts cold; ``--repeats`` runs of a level give medians. The table
+gives requests/s, TTFT p50 and p99, ITL p50, the prompt tokens the connector
+served (flowkv's ``retrieved_tokens``; vLLM's external prefix-cache hits for
+the peer), and requests/s and p99 TTFT as ratios to ``none`` at the same
+concurrency::
+
+    flowkv bench serve
+    flowkv bench serve --configs none,local-cpu --concurrency 8 --repeats 3 --plot serve.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from flowkv.integration.harness import DEMO_MODEL, default_model_dir, kv_bytes_per_token, setup_environment
+
+__all__ = ["CONFIGS", "add_arguments", "run"]
+
+CONFIGS = ("none", "local-cpu", "cpu-disk", "example")
+SERVED_NAME = "bench"
+# A server that has not answered /health by then is not coming up (a readiness bound, not a speed claim).
+_READY_S = 900.0
+# Metrics of the prompt tokens a connector served: flowkv's own count, and vLLM's.
+_FLOWKV_TOKENS = "vllm:flowkv_retrieved_tokens"
+_EXTERNAL_TOKENS = "vllm:external_prefix_cache_hits"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``flowkv bench serve``."""
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    parser.add_argument("--concurrency", default="1,4,8,16", help="comma-separated client concurrency levels")
+    parser.add_argument("--docs", type=int, default=48, help="documents per run (default 48)")
+    parser.add_argument("--asks", type=int, default=3, help="requests per document (default 3)")
+    parser.add_argument("--doc-tokens", type=int, default=1024, help="tokens per document (default 1024)")
+    parser.add_argument("--question-tokens", type=int, default=32, help="tokens after the document (default 32)")
+    parser.add_argument("--output-tokens", type=int, default=16, help="tokens generated per request (default 16)")
+    parser.add_argument("--pool-docs", type=int, default=16,
+                        help="vLLM's KV pool, in requests of one document each (default 16)")
+    parser.add_argument("--memory-docs", type=int, default=8,
+                        help="cpu-disk: documents its memory tier holds; the rest come from disk (default 8)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per level; the table shows medians (default 1)")
+    parser.add_argument("--chunk-size", type=int, default=256, help="flowkv's chunk size (default 256)")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="turn vLLM's own prefix cache off (every reuse then comes from the connector)")
+    parser.add_argument("--model-dir", default=str(default_model_dir()), help="the model folder (default: the demo model)")
+    parser.add_argument("--plot", metavar="FILE.png", help="write requests/s and p99 TTFT against concurrency")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--keep-logs", metavar="DIR", help="keep each server's log and each client's result here")
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise ValueError(f"{what} must be positive integers, got {text!r}")
+    return values
+
+
+def _configs(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown or not names:
+        raise ValueError(f"--configs takes {', '.join(CONFIGS)}; got {text!r}")
+    return names
+
+
+# -- one server --------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _vllm_command() -> list[str]:
+    """The ``vllm`` console script of this interpreter's environment."""
+    script = Path(sys.executable).parent / "vllm"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
+def transfer_config(config: str, folder: Path, *, chunk_size: int, memory_bytes: int) -> dict[str, Any] | None:
+    """The ``--kv-transfer-config`` of a configuration (None: no connector); its files go under ``folder``."""
+    if config == "none":
+        return None
+    if config == "example":
+        return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"shared_storage_path": str(folder / "example")}}
+    # Unix socket paths are limited to 107 bytes: the lookup sockets get a short folder of their own.
+    ipc_dir = tempfile.mkdtemp(prefix="fkv-", dir=folder if len(str(folder)) < 40 else None)
+    # Lookups wait for an idle worker; on a machine shared with other work 200 ms can pass first.
+    extra: dict[str, Any] = {"pipeline": config, "chunk_size": chunk_size, "ipc_dir": ipc_dir,
+                             "lookup_timeout_ms": 2000}
+    if config == "cpu-disk":
+        extra["tiers.disk.path"] = str(folder / "disk")
+        extra["tiers.memory.capacity"] = memory_bytes
+    return {"kv_connector": "FlowKVConnector", "kv_connector_module_path": "flowkv.integration.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
+class Server:
+    """One ``vllm serve`` on loopback, in a process group of its own, its output in ``log``."""
+
+    def __init__(self, model: Path, folder: Path, *, transfer: dict[str, Any] | None, pool_bytes: int,
+                 max_model_len: int, prefix_caching: bool = True) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = folder / "server.log"
+        self.command = [*_vllm_command(), "serve", str(model), "--served-model-name", SERVED_NAME,
+                        "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
+                        "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(pool_bytes),
+                        "--seed", "0"]
+        if not prefix_caching:
+            self.command.append("--no-enable-prefix-caching")
+        if transfer is not None:
+            self.command += ["--kv-transfer-config", json.dumps(transfer)]
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> Server:
+        env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + _READY_S
+        while not self._healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
+                raise RuntimeError(f"vllm serve did not come up:\n{tail}")
+            time.sleep(0.5)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def flowkv_stats(self) -> dict[str, Any]:
+        """The flowkv engine statistics of the server's worker (rank 0), over its lookup socket."""
+        from flowkv.integration._ipc import query_worker
+
+        extra = json.loads(self.command[self.command.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+        [socket_file] = Path(extra["ipc_dir"]).glob("*-r0.sock")
+        return query_worker(socket_file, "stats")["stats"]
+
+    def metric(self, name: str) -> float:
+        """The sum of a Prometheus counter's samples (``name`` or ``name_total``) on /metrics."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=60) as reply:
+            text = reply.read().decode()
+        pattern = re.compile(rf"^{re.escape(name)}(?:_total)?(?:\{{[^}}]*\}})?\s+(\S+)$")
+        return sum(float(m.group(1)) for line in text.splitlines() if (m := pattern.match(line)))
+
+
+# -- the client ------------------------------------------------------------------------------------
+
+
+def drive(server: Server, args: argparse.Namespace, *, model: Path, concurrency: int, seed: int,
+          result_file: Path) -> dict[str, Any]:
+    """One ``vllm bench serve`` run against ``server``; its result JSON, and the connector's tokens."""
+    before = {name: server.metric(name) for name in (_FLOWKV_TOKENS, _EXTERNAL_TOKENS)}
+    command = [
+        *_vllm_command(), "bench", "serve", "--backend", "vllm", "--base-url", server.url,
+        "--endpoint", "/v1/completions", "--model", SERVED_NAME, "--tokenizer", str(model),
+        "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(args.doc_tokens),
+        "--prefix-repetition-suffix-len", str(args.question_tokens),
+        "--prefix-repetition-num-prefixes", str(args.docs),
+        "--prefix-repetition-output-len", str(args.output_tokens),
+        "--num-prompts", str(args.docs * args.asks), "--max-concurrency", str(concurrency),
+        "--request-rate", "inf", "--ignore-eos", "--seed", str(seed), "--num-warmups", "0",
+        "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99", "--disable-tqdm",
+        "--save-result", "--result-dir", str(result_file.parent), "--result-filename", result_file.name,
+    ]
+    with open(result_file.with_suffix(".log"), "wb") as log:
+        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
+    result = json.loads(result_file.read_text())
+    return {
+        "requests_per_s": result["request_throughput"],
+        "ttft_p50_ms": result["p50_ttft_ms"],
+        "ttft_p99_ms": result["p99_ttft_ms"],
+        "itl_p50_ms": result["p50_itl_ms"],
+        "completed": result["completed"],
+        "failed": result.get("failed", 0),
+        "flowkv_tokens": server.metric(_FLOWKV_TOKENS) - before[_FLOWKV_TOKENS],
+        "connector_tokens": server.metric(_EXTERNAL_TOKENS) - before[_EXTERNAL_TOKENS],
+    }
+
+
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
+# -- the benchmark ------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; print a table (or JSON). Returns the exit status."""
+    try:
+        configs = _configs(args.configs)
+        levels = _ints(args.concurrency, "--concurrency")
+        for name in ("docs", "asks", "doc_tokens", "question_tokens", "output_tokens", "pool_docs", "memory_docs",
+                     "repeats"):
+            if getattr(args, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    except ValueError as exc:
+        print(f"flowkv bench serve: {exc}", file=sys.stderr)
+        return 2
+    setup_environment()
+    model = Path(args.model_dir)
+    if not (model / "config.json").exists():
+        from flowkv.testing import tiny_model
+
+        model = tiny_model(model, **DEMO_MODEL)
+    request_tokens = args.doc_tokens + args.question_tokens + args.output_tokens
+    # Room for the re-tokenized prompt (vLLM's dataset decodes and re-encodes it) and whole blocks.
+    max_model_len = -(-(request_tokens + 64) // 128) * 128
+    token_bytes = kv_bytes_per_token(model)
+    results: dict[str, Any] = {"model": str(model), "configs": configs, "concurrency": levels,
+                               "workload": {k: getattr(args, k) for k in ("docs", "asks", "doc_tokens",
+                                            "question_tokens", "output_tokens", "pool_docs", "memory_docs",
+                                            "repeats")} | {"vllm_prefix_caching": not args.no_prefix_caching},
+                               "runs": {}, "median": {}, "failed": {}}
+    with tempfile.TemporaryDirectory(prefix="fkv-bench-serve-") as tmp:
+        logs = Path(args.keep_logs) if args.keep_logs else Path(tmp)
+        for config in configs:
+            folder = Path(tempfile.mkdtemp(prefix=f"{config}-", dir=tmp))
+            log_folder = logs / config
+            log_folder.mkdir(parents=True, exist_ok=True)
+            transfer = transfer_config(config, folder, chunk_size=args.chunk_size,
+                                       memory_bytes=args.memory_docs * args.doc_tokens * token_bytes)
+            print(f"bench serve: {config}...", file=sys.stderr)
+            runs: dict[int, list[dict[str, Any]]] = {}
+            level = None
+            try:
+                server = Server(model, log_folder, transfer=transfer, max_model_len=max_model_len,
+                                pool_bytes=args.pool_docs * max_model_len * token_bytes,
+                                prefix_caching=not args.no_prefix_caching)
+                with server:
+                    for index, level in enumerate(levels):
+                        runs[level] = [
+                            drive(server, args, model=model, concurrency=level, seed=1000 * repeat + index,
+                                  result_file=log_folder / f"c{level}-r{repeat}.json")
+                            for repeat in range(args.repeats)
+                        ]
+                        print(f"bench serve: {config} c={level}: {_median(runs[level])}", file=sys.stderr)
+            # A peer that fails (to start, or mid-run: its server died) is reported with the levels it finished.
+            except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+                where = f"at concurrency {level}: " if level is not None else ""
+                results["failed"][config] = where + " ".join(str(exc).split())[-400:]
+                runs.pop(level, None)
+            if runs:
+                results["runs"][config] = runs
+                results["median"][config] = {lvl: _median(level_runs) for lvl, level_runs in runs.items()}
+    _ratios(results)
+    if args.plot:
+        _plot(results, args.plot)
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        _print(results)
+    return 0
+
+
+def _ratios(results: dict[str, Any]) -> None:
+    """Requests/s and p99 TTFT of each configuration against ``none`` at the same concurrency."""
+    base = results["median"].get("none")
+    if not base:
+        return
+    for rows in results["median"].values():
+        for level, row in rows.items():
+            ref = base.get(level)
+            if ref:
+                row["requests_per_s_vs_none"] = row["requests_per_s"] / ref["requests_per_s"]
+                row["ttft_p99_vs_none"] = row["ttft_p99_ms"] / ref["ttft_p99_ms"]
+
+
+def _print(results: dict[str, Any]) -> None:
+    work = results["workload"]
+    print(f"{work['docs']} documents x {work['asks']} asks, {work['doc_tokens']}+{work['question_tokens']} prompt "
+          f"tokens, {work['output_tokens']} generated; vLLM's pool holds {work['pool_docs']} requests "
+          f"(its prefix cache {'on' if work['vllm_prefix_caching'] else 'off'}); median of {work['repeats']} run(s)")
+    header = (f"{'config':<10} {'conc':>4} {'req/s':>7} {'x none':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
+              f"{'x none':>7} {'ITL p50':>8} {'connector tokens':>17} {'done':>5}")
+    print(header)
+    print("-" * len(header))
+    for config, rows in results["median"].items():
+        for level, row in rows.items():
+            tokens = row["flowkv_tokens"] if config in ("local-cpu", "cpu-disk") else row["connector_tokens"]
+            speed = f"{row['requests_per_s_vs_none']:6.2f}x" if "requests_per_s_vs_none" in row else "      -"
+            p99 = f"{row['ttft_p99_vs_none']:6.2f}x" if "ttft_p99_vs_none" in row else "      -"
+            print(f"{config:<10} {level:>4} {row['requests_per_s']:>7.2f} {speed} {row['ttft_p50_ms']:>7.0f}ms "
+                  f"{row['ttft_p99_ms']:>7.0f}ms {p99} {row['itl_p50_ms']:>6.1f}ms {tokens:>17,.0f} "
+                  f"{row['completed']:>5.0f}")
+    print("(connector tokens: flowkv's retrieved tokens; for the peer, vLLM's external prefix-cache hits)")
+    for config, why in results["failed"].items():
+        print(f"{config}: failed: {why}")
+
+
+def _plot(results: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for config, runs in results["runs"].items():
+        levels = sorted(runs)
+        for ax, key in ((left, "requests_per_s"), (right, "ttft_p99_ms")):
+            values = [[run[key] for run in runs[level]] for level in levels]
+            medians = [statistics.median(v) for v in values]
+            spread = [[m - min(v) for m, v in zip(medians, values)], [max(v) - m for m, v in zip(medians, values)]]
+            ax.errorbar(levels, medians, yerr=spread, marker="o", capsize=3, label=config)
+    left.set_ylabel("requests / s")
+    right.set_ylabel("TTFT p99 (ms)")
+    right.set_yscale("log")
+    for ax in (left, right):
+        ax.set_xlabel("concurrent clients")
+        ax.set_xscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle("vllm serve (CPU) on a shared-prefix workload: median and range of repeats")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}", file=sys.stderr)

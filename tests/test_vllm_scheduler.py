@@ -1,0 +1,260 @@
+"""The connector's scheduler side in this process: what a lookup ships, how often it asks, what saves carry.
+
+vLLM's own ``Request`` objects (with vLLM's block hasher) and scheduler
+outputs made here; the worker is a ``CacheEngine`` answering through
+``query.answer``, as it does on its socket, behind a client that counts what
+it is sent. Nothing starts vLLM.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256_cbor  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from flowkv import CacheEngine  # noqa: E402
+from flowkv._testing.paged import make_paged_kv, random_slot_mapping  # noqa: E402
+from flowkv.calls import KVTransfer  # noqa: E402
+from flowkv.integration.vllm.query import answer  # noqa: E402
+from flowkv.integration.vllm.scheduler import ConnectorScheduler  # noqa: E402
+from flowkv.integration.vllm.settings import ConnectorSettings  # noqa: E402
+from flowkv.kernels import KVGeometry  # noqa: E402
+from flowkv.keys import chain_hashes  # noqa: E402
+from flowkv.pipeline import load_pipeline  # noqa: E402
+
+BLOCK = 32
+CHUNK = 64
+NUM_BLOCKS = 512
+GEOMETRY = KVGeometry("cpu", num_layers=2, num_kv_heads=2, head_size=16, block_size=BLOCK, dtype=torch.bfloat16)
+SRC = make_paged_kv(GEOMETRY, NUM_BLOCKS, seed=1)
+SLOTS = random_slot_mapping(NUM_BLOCKS * BLOCK, GEOMETRY, NUM_BLOCKS, seed=2)
+
+init_none_hash(sha256_cbor)  # what vLLM's engine core does before its first request
+
+
+class CountingClient:
+    """Stands in for the IPC client: hands each question to a worker engine, counting what was sent."""
+
+    def __init__(self, engine: CacheEngine) -> None:
+        self.engine = engine
+        self.lock = threading.Lock()
+        self.lookups: list[tuple[dict, int]] = []  # (header, body bytes)
+
+    def ask(self, header, body=None):
+        import numpy as np
+
+        array = np.asarray(body if body is not None else [], dtype="<i8")
+        if header["op"] == "lookup":
+            self.lookups.append((header, array.nbytes))
+        return [{"ok": True, **answer(self.engine, self.lock, dict(header), array)}]
+
+    def tell(self, header, body=None):
+        self.ask(header, body)
+
+    def close(self):
+        pass
+
+
+def worker_engine(chunk: int = CHUNK, pipeline: str = "local-cpu", **overrides) -> CacheEngine:
+    return CacheEngine.from_pipeline(pipeline, geometry=GEOMETRY, model_name="tiny",
+                                     overrides={"chunk_size": chunk, "tiers.memory.capacity": "16MiB", **overrides})
+
+
+def scheduler(engine: CacheEngine, *, block: int = BLOCK, algo: str = "sha256", **extra) -> ConnectorScheduler:
+    settings = ConnectorSettings.from_extra_config({"chunk_size": engine.chunk_size, **extra}, default_model="tiny")
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=block, prefix_caching_hash_algo=algo),
+        parallel_config=SimpleNamespace(data_parallel_rank=0, tensor_parallel_size=1, pipeline_parallel_size=1),
+        instance_id="test-scheduler",
+    )
+    transfer = SimpleNamespace(is_kv_consumer=True, is_kv_producer=True, kv_load_failure_policy="recompute")
+    connector = ConnectorScheduler(config, transfer, settings,
+                                   load_pipeline(settings.pipeline, overrides=settings.overrides))
+    connector._lookup_client.close()
+    connector._lookup_client = CountingClient(engine)
+    return connector
+
+
+def vllm_request(req_id: str, tokens: list[int], *, block: int = BLOCK, cache_salt: str | None = None) -> Request:
+    return Request(req_id, list(tokens), SamplingParams(max_tokens=4), None, cache_salt=cache_salt,
+                   block_hasher=get_request_block_hasher(block, sha256_cbor))
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def store(engine: CacheEngine, ids: list[int]) -> None:
+    engine.store(KVTransfer(tokens=ids, kv_caches=SRC, slot_mapping=SLOTS[: len(ids)]))
+
+
+def output(new=(), cached=(), scheduled=None):
+    """A SchedulerOutput as the connector reads it: new requests (req, computed, blocks) and running ones."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=(blocks,), num_computed_tokens=c)
+                            for r, c, blocks in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r.request_id for r, _, _ in cached], resumed_req_ids=set(),
+            new_block_ids=[(blocks,) if blocks else None for _, _, blocks in cached],
+            num_computed_tokens=[c for _, c, _ in cached]),
+        num_scheduled_tokens=scheduled or {},
+    )
+
+
+def carry_out_saves(engine: CacheEngine, meta) -> None:
+    """What a worker does with the step's saves: store each, keyed by the hashes the scheduler sent."""
+    for save in meta.saves:
+        n = len(save.token_ids)
+        engine.store(KVTransfer(tokens=save.token_ids, kv_caches=SRC,
+                                slot_mapping=SLOTS[save.token_start:save.token_start + n],
+                                chunk_hashes=save.chunk_hashes))
+
+
+def test_a_waiting_request_is_looked_up_once_however_many_steps_it_waits():
+    engine = worker_engine()
+    prompt = tokens(5 * CHUNK + 10, seed=1)
+    store(engine, prompt[: 4 * CHUNK])
+    connector = scheduler(engine)
+    request = vllm_request("waits", prompt)
+
+    # No free blocks for it: vLLM asks again every step it waits.
+    answers = [connector.get_num_new_matched_tokens(request, 0) for _ in range(25)]
+
+    assert answers == [(4 * CHUNK, False)] * 25
+    assert len(connector._lookup_client.lookups) == 1
+    stats = engine.stats()
+    assert stats["lookups"] == 1 and stats.get("lookup_repeats", 0) == 0
+    assert stats["lookup_requested_tokens"] == 5 * CHUNK
+    # Its pins are held all along, for the load vLLM will accept.
+    assert stats["tiers"]["memory"]["pinned_objects"] == 4
+
+
+def test_a_lookup_ships_chunk_hashes_not_tokens():
+    engine = worker_engine()
+    prompt = tokens(16 * CHUNK, seed=2)
+    connector = scheduler(engine)
+    connector.get_num_new_matched_tokens(vllm_request("big", prompt), 0)
+    [(header, body_bytes)] = connector._lookup_client.lookups
+    assert header["num_tokens"] == 16 * CHUNK
+    # 32 bytes a chunk (sha256_cbor), where the tokens would take 8 bytes each.
+    assert body_bytes == 16 * 32 < len(prompt) * 8
+
+
+def test_a_miss_another_request_stored_meanwhile_is_looked_up_again():
+    engine = worker_engine()
+    prompt = tokens(4 * CHUNK + 5, seed=3)
+    connector = scheduler(engine)
+    first, second = vllm_request("first", prompt), vllm_request("second", prompt)
+    assert connector.get_num_new_matched_tokens(second, 0) == (0, False)
+    # "first" runs its prefill and stores its chunks while "second" waits.
+    assert connector.get_num_new_matched_tokens(first, 0) == (0, False)
+    connector.update_state_after_alloc(first, None, 0)
+    blocks = list(range(len(prompt) // BLOCK + 1))
+    meta = connector.build_connector_meta(output(new=[(first, 0, blocks)], scheduled={"first": len(prompt)}))
+    carry_out_saves(engine, meta)
+    assert connector.get_num_new_matched_tokens(second, 0) == (4 * CHUNK, False)
+    assert connector.get_num_new_matched_tokens(second, 0) == (4 * CHUNK, False)
+
+    assert len(connector._lookup_client.lookups) == 3  # second, first, second again
+    stats = engine.stats()
+    assert (stats["lookups"], stats["lookup_repeats"]) == (2, 1)
+    # Each request's tokens and hits count once.
+    assert stats["lookup_requested_tokens"] == 2 * 4 * CHUNK
+    assert stats["lookup_hit_tokens"] == 4 * CHUNK
+
+
+def test_saves_carry_only_the_chunks_each_step_completes():
+    engine = worker_engine()
+    prompt = tokens(16 * CHUNK + 7, seed=4)
+    connector = scheduler(engine)
+    request = vllm_request("long", prompt)
+    connector.get_num_new_matched_tokens(request, 0)
+    connector.update_state_after_alloc(request, None, 0)
+    blocks = list(range(len(prompt) // BLOCK + 1))
+    step = 3 * CHUNK + 20  # prefill chunks that do not end on a chunk boundary
+    saves = []
+    computed = 0
+    while computed < len(prompt):
+        n = min(step, len(prompt) - computed)
+        new = [(request, computed, blocks)] if computed == 0 else []
+        cached = [(request, computed, None)] if computed else []
+        meta = connector.build_connector_meta(output(new=new, cached=cached, scheduled={"long": n}))
+        carry_out_saves(engine, meta)
+        saves += meta.saves
+        computed += n
+
+    starts = [s.token_start for s in saves]
+    ends = [s.token_start + len(s.token_ids) for s in saves]
+    # One run of chunks after another, never a token twice: O(n) over a chunked prefill.
+    assert starts == [0] + ends[:-1] and ends[-1] == 16 * CHUNK
+    for save in saves:
+        assert save.token_ids == prompt[save.token_start:save.token_start + len(save.token_ids)]
+        assert save.chunk_hashes == chain_hashes(prompt[: save.token_start + len(save.token_ids)], CHUNK,
+                                                 "sha256_cbor")[save.token_start // CHUNK:]
+    # The worker stored under the keys it would have made from the tokens.
+    assert engine.lookup(torch.tensor(prompt)) == 16 * CHUNK
+
+
+def test_a_load_carries_the_tokens_and_hashes_of_the_chunks_it_reads_only():
+    engine = worker_engine()
+    prompt = tokens(8 * CHUNK + 3, seed=5)
+    store(engine, prompt)
+    connector = scheduler(engine)
+    request = vllm_request("warm", prompt)
+    # vLLM's own prefix cache held the first block: flowkv loads from there.
+    assert connector.get_num_new_matched_tokens(request, BLOCK) == (8 * CHUNK - BLOCK, False)
+    connector.update_state_after_alloc(request, None, 8 * CHUNK - BLOCK)
+    blocks = list(range(len(prompt) // BLOCK + 1))
+    meta = connector.build_connector_meta(output(new=[(request, 8 * CHUNK, blocks)], scheduled={"warm": 3}))
+    [load] = meta.loads
+    assert (load.start, load.end, load.token_start, load.skip_prefix) == (BLOCK, 8 * CHUNK, 0, 0)
+    assert load.chunk_hashes == chain_hashes(prompt[: 8 * CHUNK], CHUNK, "sha256_cbor")
+    assert load.token_ids == prompt[: 8 * CHUNK]
+    assert not load.load_async
+
+
+@pytest.mark.parametrize("setting, sound", [
+    ({}, True),
+    ({"algo": "sha256"}, False),  # vLLM's default pickles its input
+    ({"block": 2 * BLOCK}, False),  # other spans
+    ({"cache_salt": "tenant-a"}, False),  # vLLM mixes the salt into block 0; flowkv keys it as a tag
+])
+def test_vllm_block_hashes_stand_for_chunk_hashes_only_where_they_are_flowkv_s(setting, sound):
+    engine = worker_engine(chunk=BLOCK)
+    block = setting.get("block", BLOCK)
+    connector = scheduler(engine, block=block, algo=setting.get("algo", "sha256_cbor"))
+    prompt = tokens(6 * BLOCK + 9, seed=6)
+    request = vllm_request("r", prompt, block=block, cache_salt=setting.get("cache_salt"))
+    connector.get_num_new_matched_tokens(request, 0)
+    chain = connector._requests["r"].chain
+    assert chain.from_vllm is sound
+    # Either way the keys are flowkv's own chunk hashes of the tokens.
+    assert chain.full == chain_hashes(prompt, BLOCK, "sha256_cbor", partial=False)
+    if sound:
+        assert chain.full == [bytes(h) for h in request.block_hashes]
+
+
+def test_a_hit_below_memory_loads_asynchronously_and_memory_hits_do_not(tmp_path):
+    engine = worker_engine(pipeline="cpu-disk", **{"tiers.disk.path": str(tmp_path)})
+    cold, warm = tokens(4 * CHUNK + 1, seed=7), tokens(4 * CHUNK + 1, seed=8)
+    store(engine, cold)
+    assert engine.flush(30)
+    engine.memory.clear()  # on disk only now
+    store(engine, warm)
+    connector = scheduler(engine)
+    assert connector.get_num_new_matched_tokens(vllm_request("disk", cold), 0) == (4 * CHUNK, True)
+    assert connector.get_num_new_matched_tokens(vllm_request("memory", warm), 0) == (4 * CHUNK, False)
+
+    always = scheduler(engine, async_loads="always")
+    assert always.get_num_new_matched_tokens(vllm_request("memory-2", warm), 0) == (4 * CHUNK, True)
+    off = scheduler(engine, async_loads="off")
+    assert off.get_num_new_matched_tokens(vllm_request("disk-2", cold), 0) == (4 * CHUNK, False)
