@@ -35,7 +35,7 @@ $(DEPS_STAMP): pyproject.toml
 model: setup
 	$(BIN)/python -m flowkv._testing.trained_model
 
-demo: setup model
+demo: setup
 	$(BIN)/flowkv demo
 
 test: setup model
