@@ -35,7 +35,7 @@ $(DEPS_STAMP): pyproject.toml
 model: setup
 	$(BIN)/python -m flowkv._testing.trained_model
 
-demo: setup
+demo: setup model
 	$(BIN)/flowkv demo
 
 test: setup model
