@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flowkv._testing.paged import make_paged_kv, random_slot_mapping
-from flowkv.kernels import LAYOUTS, KVGeometry, bench_gather_scatter, detect_layout, gather, scatter
+from flowkv.kernels import LAYOUTS, KVGeometry, bench_gather_scatter, canonical_view, detect_layout, gather, scatter
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 NUM_BLOCKS = 12
@@ -497,3 +497,43 @@ def test_cpu_row_copy_in_pieces_is_bitwise(monkeypatch, helper):
         chunk = gather(source, g, slots, g.empty_chunk(64))
         assert torch.equal(chunk, reference_gather(source, g, slots))
         scatter_like_reference(chunk, g, slots)
+
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_vllms_cpu_block_interior_is_packed_and_whole_blocks_move_bitwise(dtype):
+    """A fact about vLLM's CPU backend, checked with its own cache write: a row of the 4-D layer
+    tensor ``(num_blocks, heads, block_size, 2*head_size)`` is *not* one token's key and value.
+    vLLM views each block and head as ``2*block_size`` rows of ``head_size`` (keys, then values)
+    and its cache-write kernel packs them further by ISA (on ``vec``: the keys dimension-major).
+    So flowkv's ``cpu`` geometry is exact for whole blocks only: a gather of whole blocks and a
+    scatter into other blocks reproduce vLLM's bytes exactly. (A chunk smaller than a block, or
+    ending inside one, carries bytes of tokens after its end: see the README's known issues.)"""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends import cpu_attn
+
+    num_blocks, heads, block, head = 6, 2, 32, 64
+    g = KVGeometry("cpu", 1, heads, head, block, dtype)
+    layer = torch.zeros(num_blocks, heads, block, 2 * head, dtype=dtype)
+    slots = torch.cat([torch.arange(0, block), torch.arange(2 * block, 3 * block)])  # blocks 0 and 2, whole
+    key = torch.randn(len(slots), heads, head).to(dtype)
+    value = torch.randn(len(slots), heads, head).to(dtype)
+    isa = cpu_attn._get_attn_isa(dtype, block, head, "auto")
+    impl = SimpleNamespace(attn_type=cpu_attn.AttentionType.DECODER, kv_cache_dtype="auto")
+    vllm_layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
+    cpu_attn.CPUAttentionBackendImpl.do_kv_cache_update(impl, vllm_layer, key, value, layer, slots)
+
+    # Keys first, then values, in each block and head; a 4-D row is not a token.
+    slab = layer.reshape(num_blocks, heads, 2, block * head)
+    assert not torch.equal(layer[0, :, :, :head].transpose(0, 1), key[:block])
+    assert slab[1].abs().sum() == 0 and slab[0, :, 1].abs().sum() > 0
+    if isa == "vec":  # the keys of a block are stored dimension-major (the transpose), the values token-major
+        assert torch.equal(slab[0, :, 0].reshape(heads, head, block), key[:block].permute(1, 2, 0))
+        assert torch.equal(slab[0, :, 1].reshape(heads, block, head), value[:block].permute(1, 0, 2))
+
+    # Whole blocks move bitwise: gather blocks 0 and 2, scatter them into blocks 3 and 5 of another cache.
+    chunk = gather([layer], g, slots, g.empty_chunk(len(slots)))
+    other = torch.zeros_like(layer)
+    scatter(chunk, [other], g, torch.cat([torch.arange(3 * block, 4 * block), torch.arange(5 * block, 6 * block)]))
+    assert torch.equal(other[3], layer[0]) and torch.equal(other[5], layer[2])

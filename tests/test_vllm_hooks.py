@@ -90,7 +90,8 @@ def test_register_kv_caches_gets_one_view_per_layer_of_one_buffer_in_model_order
     names = register["names"]
     # A layer's index (layerwise pipelines) is its position in this dict.
     assert [layer_index(name) for name in names] == list(range(len(names))) and len(names) == 2
-    # CPU backend: (num_blocks, num_kv_heads, block_size, 2 * head_size), keys and values side by side.
+    # CPU backend: (num_blocks, num_kv_heads, block_size, 2 * head_size); inside a block and head,
+    # the keys of every token, then the values (test_kernels checks that against vLLM's own write).
     for shape in register["shapes"]:
         assert shape[1:] == [init["num_kv_heads"], BLOCK_SIZE, 2 * init["head_size"]]
     assert all(register["contiguous"])

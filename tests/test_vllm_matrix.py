@@ -41,6 +41,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from flowkv._testing.tiny_model import tiny_model  # noqa: E402
+from flowkv.integration.vllm.settings import whole_block_chunk_size  # noqa: E402
 from redis_servers import RedisServer  # noqa: E402
 from vllm_helpers import LOOKUP_TIMEOUT_MS, random_tokens  # noqa: E402
 
@@ -126,7 +127,8 @@ FAULT_MEMORY_CHUNKS = 8
 def loadable(row: Row, prompt_len: int, stored_tokens: int) -> int:
     """Tokens flowkv serves of a prompt whose first ``stored_tokens`` were stored: whole chunks,
     cut to whole vLLM blocks, never the prompt's last token."""
-    whole = stored_tokens // row.chunk * row.chunk
+    chunk = whole_block_chunk_size(row.chunk, row.block, packed_blocks=True)  # vLLM's CPU blocks are packed
+    whole = stored_tokens // chunk * chunk
     return min(whole, prompt_len - 1) // row.block * row.block
 
 

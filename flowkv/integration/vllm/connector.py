@@ -11,6 +11,7 @@ called in the wrong role is a caller bug and fails its assertion.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -19,11 +20,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.platforms import current_platform
 
 from flowkv.integration.vllm.kv_events import PublishedEvents
 from flowkv.integration.vllm.metrics import FlowKVPromMetrics, FlowKVStats
 from flowkv.integration.vllm.scheduler import ConnectorScheduler
-from flowkv.integration.vllm.settings import ConnectorSettings
+from flowkv.integration.vllm.settings import ConnectorSettings, whole_block_chunk_size
 from flowkv.integration.vllm.worker import ConnectorWorker
 from flowkv.pipeline import load_pipeline
 from flowkv.quality_gate import check_served_model
@@ -62,6 +64,15 @@ class FlowKVConnector(KVConnectorBase_V1):
         # Loading checks the whole pipeline: a bad one stops vLLM here, in
         # both processes, with every error listed.
         pipeline = load_pipeline(settings.pipeline, overrides=settings.overrides)
+        block_size = vllm_config.cache_config.block_size
+        chunk_size = whole_block_chunk_size(pipeline.chunk_size, block_size, packed_blocks=current_platform.is_cpu())
+        if chunk_size != pipeline.chunk_size:
+            if role == KVConnectorRole.WORKER:
+                logger.warning("flowkv: chunk_size %d is not a multiple of vLLM's block size %d; on the CPU "
+                               "backend blocks are packed, so flowkv uses chunks of %d tokens (whole blocks)",
+                               pipeline.chunk_size, block_size, chunk_size)
+            settings = replace(settings, overrides={**settings.overrides, "chunk_size": chunk_size})
+            pipeline = load_pipeline(settings.pipeline, overrides=settings.overrides)
         # A [quality] gate holds only for the model its record measured.
         if (warning := check_served_model(pipeline, vllm_config.model_config.model)) is not None:
             logger.warning("flowkv: %s", warning)

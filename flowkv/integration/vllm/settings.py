@@ -140,3 +140,23 @@ def request_tags(request: Request) -> tuple[dict[str, str], bool]:
     if lora is not None:
         tags["lora"] = str(getattr(lora, "lora_name", None) or getattr(lora, "lora_int_id", ""))
     return tags, bool(params.get(SKIP_SAVE_KEY, False))
+
+
+def whole_block_chunk_size(chunk_size: int, block_size: int | None, *, packed_blocks: bool) -> int:
+    """The chunk size flowkv uses beside an engine whose blocks are packed: a multiple of the block size.
+
+    vLLM's CPU backend packs each block's keys and values by ISA (on ``vec`` the keys are stored
+    dimension-major), so the bytes of a chunk that ends inside a block carry parts of the tokens
+    after its end, which its key does not cover: two requests that share a chunk but not the rest
+    of its block would hand a third one a block mixed from both. Chunks of whole blocks never mix.
+    Elsewhere (CUDA layouts keep one token per row) the configured size stands.
+
+    >>> whole_block_chunk_size(64, 128, packed_blocks=True), whole_block_chunk_size(192, 128, packed_blocks=True)
+    (128, 256)
+    >>> whole_block_chunk_size(256, 128, packed_blocks=True), whole_block_chunk_size(64, 128, packed_blocks=False)
+    (256, 64)
+    """
+    if not packed_blocks or not block_size or chunk_size % block_size == 0:
+        return chunk_size
+    return -(-chunk_size // block_size) * block_size
+
