@@ -102,7 +102,8 @@ def test_demo_table_follows_from_its_rows_and_its_trace_summarizes(layerwise, tm
 
 def test_bench_ttft_speedups_are_the_ratios_of_its_times(capsys, own_environment):
     lengths = [1024, 2048]
-    argv = ["bench", "ttft", "--lengths", ",".join(map(str, lengths)), "--repeats", "1",
+    peers = "no cache,flowkv,ExampleConnector,OffloadingConnector,SimpleCPUOffloadConnector"
+    argv = ["bench", "ttft", "--lengths", ",".join(map(str, lengths)), "--repeats", "1", "--peers", peers,
             "--model-dir", str(model_dir()), "--json"]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
