@@ -96,6 +96,11 @@ class Row:
         return self.shape, self.dtype, self.block
 
     @property
+    def stored_chunk(self) -> int:
+        """The chunk flowkv stores: on vLLM's CPU backend, whole blocks (the connector raises the rest)."""
+        return whole_block_chunk_size(self.chunk, self.block, packed_blocks=True)
+
+    @property
     def unit(self) -> int:
         """Prompt lengths are counted in units of the larger of chunk and block."""
         return max(self.chunk, self.block)
@@ -127,8 +132,7 @@ FAULT_MEMORY_CHUNKS = 8
 def loadable(row: Row, prompt_len: int, stored_tokens: int) -> int:
     """Tokens flowkv serves of a prompt whose first ``stored_tokens`` were stored: whole chunks,
     cut to whole vLLM blocks, never the prompt's last token."""
-    chunk = whole_block_chunk_size(row.chunk, row.block, packed_blocks=True)  # vLLM's CPU blocks are packed
-    whole = stored_tokens // chunk * chunk
+    whole = stored_tokens // row.stored_chunk * row.stored_chunk
     return min(whole, prompt_len - 1) // row.block * row.block
 
 
@@ -145,7 +149,7 @@ def row_prompts(row: Row) -> dict[str, list[int]]:
 def fault_prompts(row: Row, count: int) -> list[list[int]]:
     """Prompts of 4 whole chunks (and a tail), none sharing a chunk with another."""
     seed = 1000 * ROWS.index(row) + 500
-    return [random_tokens(seed + i, 4 * row.chunk + 7) for i in range(count)]
+    return [random_tokens(seed + i, 4 * row.stored_chunk + 7) for i in range(count)]
 
 
 FAULT_PROMPTS = 6
@@ -258,7 +262,7 @@ def connector_config(row: Row, redis: RedisServer, folder: Path) -> dict[str, An
                    # A hung server costs one cut-off call per probe: short, and probed again soon.
                    "tiers.redis.timeout_s": 2.0, "tiers.redis.backoff_max_s": 1.0}
     if row in (REDIS_ROW, DISK_ROW):
-        chunk_bytes = -(-row.shape.bytes_per_token(row.dtype) * row.chunk // 4096) * 4096
+        chunk_bytes = -(-row.shape.bytes_per_token(row.dtype) * row.stored_chunk // 4096) * 4096
         config["tiers.memory.capacity"] = FAULT_MEMORY_CHUNKS * chunk_bytes
     return config
 
@@ -348,7 +352,7 @@ def test_redis_killed_restarted_and_paused_under_cpu_redis(engines, redis):
     row = REDIS_ROW
     llm = engines.of(row)
     prompts = fault_prompts(row, FAULT_PROMPTS)
-    chunks = len(prompts[0]) // row.chunk
+    chunks = len(prompts[0]) // row.stored_chunk
 
     def redis_stats() -> dict[str, Any]:
         return worker(llm)["tiers"]["redis"]
@@ -371,7 +375,7 @@ def test_redis_killed_restarted_and_paused_under_cpu_redis(engines, redis):
     redis.start()  # same port, empty
     # A request that stores nothing, sent until the guard's probe finds the server back: its
     # lookup always reaches Redis. (A readiness loop: the back-off is at most 1 s.)
-    probe = prompts[5][: 2 * row.chunk]
+    probe = prompts[5][: 2 * row.stored_chunk]
 
     def probed_healthy() -> bool:
         generate(llm, [probe], skip_save=True)
@@ -425,7 +429,7 @@ def test_disk_folder_removed_under_cpu_disk(engines, tier_folder):
         assert_same_tokens(row, batch, results)
         return results
 
-    chunks = len(prompts[0]) // row.chunk
+    chunks = len(prompts[0]) // row.stored_chunk
     writes = disk_stats().get("writes", 0)
     for prompt in prompts[:3]:  # 12 chunks through 8 of memory: prompts[0] lives on disk only
         run([prompt])
