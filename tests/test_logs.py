@@ -44,7 +44,6 @@ def test_the_flowkv_command_logs_with_time_level_and_process():
 
 @pytest.mark.parametrize("order", ["configure-then-plugin", "plugin-then-configure"])
 def test_inside_vllm_flowkv_lines_take_vllms_format(order):
-    pytest.importorskip("vllm")
     steps = ["configure_logging(LoggingConfig())", "vllm_plugin()"]
     if order == "plugin-then-configure":
         steps.reverse()
@@ -65,7 +64,6 @@ def test_inside_vllm_flowkv_lines_take_vllms_format(order):
 
 @pytest.mark.parametrize("why", ["vLLM does not configure logging", "the program configured logging"])
 def test_flowkv_leaves_logging_to_the_program_when_vllm_does_not_own_it(why):
-    pytest.importorskip("vllm")
     done = run(
         "import logging\n"
         "from flowkv.logs import vllm_plugin\n"
