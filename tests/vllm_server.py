@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -60,10 +61,49 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_serve_commands() -> list[tuple[int, list[str]]]:
+    """Every ``vllm serve`` command of README.md's bash blocks as (line, argv), as a shell would split
+    it: continued lines and quoted JSON over several lines joined, comments dropped."""
+    commands: list[tuple[int, list[str]]] = []
+    in_bash, pending, start = False, "", 0
+    for number, line in enumerate(README.read_text(encoding="utf-8").splitlines(), 1):
+        if line.startswith("```"):
+            in_bash, pending = line.strip() == "```bash", ""
+            continue
+        if not in_bash:
+            continue
+        if not pending:
+            start = number
+        pending = pending[:-1] if pending.endswith("\\") else pending + ("\n" if pending else "")
+        pending += line
+        try:
+            argv = shlex.split(pending, comments=True)
+        except ValueError:  # a quote still open: the command goes on on the next line
+            continue
+        if pending.endswith("\\"):
+            continue
+        pending = ""
+        if argv[:2] == ["vllm", "serve"]:
+            commands.append((start, argv))
+    return commands
+
+
+def readme_transfer_config(line: int | None = None) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` of a README ``vllm serve`` command (the first one by default), parsed."""
+    for at, argv in readme_serve_commands():
+        if line is None or at == line:
+            return json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    raise LookupError(f"no vllm serve command at README.md:{line}")
+
+
 def flowkv_transfer_config(**extra: Any) -> dict[str, Any]:
-    """The README's --kv-transfer-config, with ``extra`` in kv_connector_extra_config."""
-    return {"kv_connector": "FlowKVConnector", "kv_connector_module_path": "flowkv.integration.vllm",
-            "kv_role": "kv_both", "kv_connector_extra_config": {"pipeline": "local-cpu", **extra}}
+    """The README's first --kv-transfer-config (its quick start), with ``extra`` in kv_connector_extra_config."""
+    config = readme_transfer_config()
+    config["kv_connector_extra_config"].update(extra)
+    return config
 
 
 class VllmServer:
