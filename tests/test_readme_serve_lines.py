@@ -1,4 +1,4 @@
-"""The README's `vllm serve` lines as a user copies them: each one's --kv-transfer-config is JSON that
+"""The `vllm serve` lines of README.md and of the examples' READMEs as a user copies them: each one's --kv-transfer-config is JSON that
 vLLM's own KVTransferConfig accepts, names a connector class that imports, and a pipeline (with every
 override it sets) that loads. The first one, the quick start, is the command `tests/test_vllm_serve.py`
 starts for real (its fixtures build their --kv-transfer-config from it), so README drift fails."""
@@ -10,25 +10,28 @@ import json
 
 import pytest
 
-from vllm_server import readme_serve_commands, readme_transfer_config
+from vllm_server import README, readme_serve_commands, readme_transfer_config
 
 from flowkv.pipeline import load_pipeline
 
-COMMANDS = [(line, argv) for line, argv in readme_serve_commands() if "--kv-transfer-config" in argv]
+DOCS = [README, *sorted(README.parent.glob("examples/**/README.md"))]
+COMMANDS = [(f"{doc.relative_to(README.parent)}:{line}", argv) for doc in DOCS
+            for line, argv in readme_serve_commands(doc) if "--kv-transfer-config" in argv]
 
 
 def test_the_readme_has_serve_lines_and_the_quick_start_is_the_first():
-    assert len(COMMANDS) >= 3
+    assert len([where for where, _ in COMMANDS if where.startswith("README.md:")]) >= 3
+    assert any(where.startswith("examples/systemd/") for where, _ in COMMANDS)
     assert readme_transfer_config()["kv_connector_extra_config"] == {"pipeline": "local-cpu"}
 
 
-@pytest.mark.parametrize(("line", "argv"), COMMANDS, ids=[f"README.md:{line}" for line, _ in COMMANDS])
-def test_a_readme_serve_line_is_a_config_vllm_and_flowkv_accept(line, argv):
+@pytest.mark.parametrize(("where", "argv"), COMMANDS, ids=[where for where, _ in COMMANDS])
+def test_a_readme_serve_line_is_a_config_vllm_and_flowkv_accept(where, argv):
     from vllm.config import KVTransferConfig
 
     from flowkv.integration.vllm import ConnectorSettings
 
-    assert argv[2] == "MODEL", f"README.md:{line}: vllm serve MODEL ..."
+    assert argv[2] == "MODEL", f"{where}: vllm serve MODEL ..."
     raw = argv[argv.index("--kv-transfer-config") + 1]
     config = json.loads(raw)
     transfer = KVTransferConfig(**config)  # vLLM's own validation of the fields

@@ -64,13 +64,14 @@ def free_port() -> int:
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def readme_serve_commands() -> list[tuple[int, list[str]]]:
-    """Every ``vllm serve`` command of README.md's bash blocks as (line, argv), as a shell would split
-    it: continued lines and quoted JSON over several lines joined, comments dropped."""
+def shell_commands(text: str, *, fenced: bool = True) -> list[tuple[int, list[str]]]:
+    """The commands of a text as (line, argv), as a shell would split them: continued lines and
+    quoted JSON over several lines joined, comments dropped. ``fenced``: only inside a markdown
+    file's ```bash blocks."""
     commands: list[tuple[int, list[str]]] = []
-    in_bash, pending, start = False, "", 0
-    for number, line in enumerate(README.read_text(encoding="utf-8").splitlines(), 1):
-        if line.startswith("```"):
+    in_bash, pending, start = not fenced, "", 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if fenced and line.startswith("```"):
             in_bash, pending = line.strip() == "```bash", ""
             continue
         if not in_bash:
@@ -86,9 +87,15 @@ def readme_serve_commands() -> list[tuple[int, list[str]]]:
         if pending.endswith("\\"):
             continue
         pending = ""
-        if argv[:2] == ["vllm", "serve"]:
+        if argv:
             commands.append((start, argv))
     return commands
+
+
+def readme_serve_commands(path: Path = README) -> list[tuple[int, list[str]]]:
+    """Every ``vllm serve`` command of a markdown file's bash blocks (README.md's by default)."""
+    return [(line, argv) for line, argv in shell_commands(path.read_text(encoding="utf-8"))
+            if argv[:2] == ["vllm", "serve"]]
 
 
 def readme_transfer_config(line: int | None = None) -> dict[str, Any]:
