@@ -35,7 +35,9 @@ from vllm_server import start_server
 
 pytestmark = pytest.mark.vllm
 
-CHUNK = 256
+# Chunks of one vLLM block, with vLLM hashing blocks with sha256_cbor: the chunk hashes are vLLM's
+# own block hashes (flowkv/integration/vllm/chunk_hashes.py), the README's set-up for that.
+CHUNK = 128
 DOC = 3 * CHUNK  # each document: 3 whole chunks
 DTYPE = "float32"
 KV_BYTES_PER_CHUNK = CHUNK * BF16_KV_BYTES_PER_TOKEN * 2  # float32
@@ -113,7 +115,8 @@ def test_serve_cpu_redis_under_streaming_load_through_redis_pause_kill_and_resta
             "tiers.redis.namespace": "soak", "tiers.memory.capacity": MEMORY_CHUNKS * KV_BYTES_PER_CHUNK,
             # A hung server costs one cut-off call per probe: short, and probed again soon.
             "tiers.redis.timeout_s": 2.0, "tiers.redis.backoff_max_s": 1.0,
-        }, dtype=DTYPE)
+        }, dtype=DTYPE, args=["--prefix-caching-hash-algo", "sha256_cbor"])
+
         [socket_path] = server.ipc_dir.glob("flowkv-*.sock")
 
         # -- the reference: every prompt of the load, one at a time, computed by the model alone --
@@ -157,6 +160,9 @@ def test_serve_cpu_redis_under_streaming_load_through_redis_pause_kill_and_resta
 
         assert soak.failures == [], soak.failures
         assert soak.finished == total
+        # vLLM hashes each request's blocks when a connector is configured (its prefix caching off
+        # here), and flowkv took those hashes as its chunk hashes: nothing was hashed twice.
+        assert "use vLLM's block hashes as chunk hashes" in server.log()
         assert soak.answers.keys() == reference.keys()
         changed = {len(p): sum(x != reference[p]["token_ids"] for x in a) for p, a in soak.answers.items()
                    if any(x != reference[p]["token_ids"] for x in a)}
