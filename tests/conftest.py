@@ -111,7 +111,8 @@ def pytest_addoption(parser):
     parser.addoption("--shuffle", metavar="SEED", default=None,
                      help="run the modules, and the tests inside each module, in an order shuffled with SEED "
                           "(a module's tests stay together, so its shared engine still starts once): tests "
-                          "must not depend on the order they run in")
+                          "must not depend on the order they run in. A module marked in_order (a story of "
+                          "real processes told step by step, its docstring says which) keeps its own order")
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -129,7 +130,8 @@ def pytest_collection_modifyitems(session, config, items):
     items[:] = []
     for module in order:
         tests = modules[module]
-        rng.shuffle(tests)
+        if not any(item.get_closest_marker("in_order") for item in tests):
+            rng.shuffle(tests)
         items.extend(tests)
 
 

@@ -71,3 +71,10 @@ def test_shuffle_reorders_modules_and_tests_and_keeps_each_module_together(tmp_p
     assert order("--shuffle", "7") == shuffled  # the seed decides
     modules = [m for m, _ in shuffled]
     assert [m for i, m in enumerate(modules) if i == 0 or modules[i - 1] != m] == list(dict.fromkeys(modules))
+
+    # A module marked in_order moves whole, its tests in their own order.
+    text = (folder / "test_m2.py").read_text()
+    (folder / "test_m2.py").write_text("import pytest\npytestmark = pytest.mark.in_order\n" + text)
+    (folder / "pytest.ini").write_text("[pytest]\nmarkers =\n    in_order: a story\n")
+    story = [t for m, t in order("--shuffle", "7") if m == "2"]
+    assert story == [str(t) for t in range(6)]

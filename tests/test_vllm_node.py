@@ -32,7 +32,8 @@ import vllm  # noqa: F401,E402 - a broken vLLM install fails these tests; it nev
 from node_servers import HOLD_STORE, ROOT, node_pipeline, node_servers, wait_for  # noqa: E402,F401
 from vllm_helpers import CHUNK_SIZE, generate, make_llm, random_tokens, request, shutdown_llm, stats  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+# One story in steps (the docstring): --shuffle moves the module whole.
+pytestmark = [pytest.mark.vllm, pytest.mark.in_order]
 
 DOC_TOKENS = 1024  # four chunks: the common prefix of a document's two questions
 DOCS = {f"doc{i}": random_tokens(300 + i, DOC_TOKENS) for i in range(3)}
