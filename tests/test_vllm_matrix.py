@@ -3,8 +3,8 @@
 Factors (issue 17): dtype (bf16, fp16, fp32); KV heads (MHA, GQA, one KV head);
 head size (64, 96, 128); vLLM block size (32, 64, 128, 256); chunk size
 against the block (divides it, equals it, exceeds it by a multiple or not);
-pipeline (local-cpu, local-cpu-lz4, cpu-disk, cpu-disk-zstd, cpu-redis on a
-real redis-server); layerwise on and off.
+pipeline (local-cpu, local-cpu-lz4, cpu-disk, cpu-disk-zstd, cpu-redis on a real
+redis-server over TLS); layerwise on and off.
 
 Every vLLM start costs 10-30 s on two cores, so the matrix is a covering
 subset (``ROWS``, printed at the end of the module): each level of every
@@ -46,7 +46,7 @@ import vllm  # noqa: F401,E402 - a broken vLLM install fails these tests; it nev
 
 from flowkv._testing.tiny_model import tiny_model  # noqa: E402
 from flowkv.integration.vllm.settings import whole_block_chunk_size  # noqa: E402
-from redis_servers import RedisServer  # noqa: E402
+from redis_servers import RedisServer, TlsFiles  # noqa: E402
 from vllm_helpers import LOOKUP_TIMEOUT_MS, random_tokens  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -269,7 +269,9 @@ def assert_same_tokens(row: Row, prompts: list[list[int]], results: list[tuple[l
 
 @pytest.fixture(scope="module")
 def redis(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("matrix-redis")).start()
+    # TLS (rediss://, a CA of its own), as a Redis across machines is reached: the soak runs plain Redis.
+    folder = tmp_path_factory.mktemp("matrix-redis")
+    server = RedisServer(folder, tls=TlsFiles.create(folder / "pki")).start()
     yield server
     server.stop()
 
@@ -290,6 +292,7 @@ def connector_config(row: Row, redis: RedisServer, folder: Path) -> dict[str, An
         config["tiers.disk.timeout_s"] = 10.0
     if "redis" in row.pipeline:
         config |= {"tiers.redis.url": redis.url, "tiers.redis.namespace": f"matrix-{ROWS.index(row)}",
+                   "tiers.redis.tls_ca_file": str(redis.tls.ca_cert),
                    # A hung server costs one cut-off call per probe: short, and probed again soon.
                    "tiers.redis.timeout_s": 2.0, "tiers.redis.backoff_max_s": 1.0}
     if row in (REDIS_ROW, DISK_ROW):
