@@ -20,6 +20,9 @@ setup: $(DEPS_STAMP)
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 	@# the controller's dashboard test drives a real headless browser
 	@command -v chromedriver >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null)
+	@# TLS Redis (a throw-away CA), a small ext4 for the disk-full tests, a second local user for the permission tests
+	@command -v openssl >/dev/null && command -v mkfs.ext4 >/dev/null && command -v setpriv >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq openssl e2fsprogs util-linux >/dev/null)
 
 $(DEPS_STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

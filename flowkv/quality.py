@@ -70,6 +70,7 @@ from flowkv.quality_gate import (
     RECORD_FORMAT,
     check_gate,
     check_served_model,
+    codec_code_digest,
     codec_settings,
     load_record,
     record_path,
@@ -271,6 +272,8 @@ def measure(
                     "codec": codec,
                     "params": codec_params,
                     "lossless": get_codec(codec).lossless,
+                    # The code measured: the gate refuses this entry once the codec's code changes.
+                    "code_sha256": codec_code_digest(codec),
                     "agreement": equal / total,
                     "max_logprob_diff": max(diffs) if diffs else None,
                     "prompts_identical": sum(c["equal"] == c["total"] for c in compared),

@@ -10,8 +10,10 @@ at start. The measurement that writes the record, ``flowkv quality``, is
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ __all__ = [
     "RECORD_FORMAT",
     "canonical_params",
     "check_gate",
+    "codec_code_digest",
     "check_served_model",
     "codec_settings",
     "describe_codec",
@@ -70,6 +73,37 @@ def _lossy_codecs(store_stages: Sequence[Any]) -> list[tuple[str, dict[str, Any]
 def describe_codec(codec: str, params: Mapping[str, Any]) -> str:
     """``int8 {"group_size": 32}``: a codec and its parameters as messages name them."""
     return codec + ("" if not params else " " + json.dumps(dict(params), sort_keys=True))
+
+
+def codec_code_digest(codec: str) -> str:
+    """sha256 of the code that encodes and decodes with `codec`: its class and its bases' source and
+    every module-level function of theirs they name (transitively).
+
+    A record's agreement holds for the code that was measured: a change to how a codec quantizes
+    moves the digest, and the gate then asks for a new measurement. Edits elsewhere (another codec,
+    a comment in an unrelated function) leave it.
+    """
+    impl = type(get_codec(codec))
+    parts: list[str] = []
+    seen: set[str] = set()
+    pending = [cls for cls in impl.__mro__ if cls.__module__ == impl.__module__ or cls is impl]
+    while pending:
+        obj = pending.pop(0)
+        name = f"{obj.__module__}.{obj.__qualname__}"
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            source = inspect.getsource(obj)
+        except (OSError, TypeError):  # defined where no source is (a REPL): its name stands in
+            source = name
+        parts.append(source)
+        module = inspect.getmodule(obj)
+        for word in sorted(set(re.findall(r"\b_?[A-Za-z]\w*", source))):
+            used = getattr(module, word, None)
+            if (inspect.isfunction(used) or inspect.isclass(used)) and getattr(used, "__module__", None) == obj.__module__:
+                pending.append(used)
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 # -- the record and the gate ----------------------------------------------------
@@ -150,6 +184,9 @@ def check_gate(
             have = ", ".join(describe_codec(e["codec"], e["params"]) for e in data["codecs"]) or "nothing"
             problems.append(f"[quality] record {path} has no measurement of {describe_codec(codec, params)} "
                             f"(it measured: {have}); run 'flowkv quality' on this pipeline again")
+        elif entry.get("code_sha256") not in (None, codec_code_digest(codec)):
+            problems.append(f"[quality] record {path} measured another version of {codec}'s code (its "
+                            f"code_sha256 differs from this flowkv's): run 'flowkv quality' on this pipeline again")
         elif entry["agreement"] < min_agreement:
             problems.append(
                 f"[quality] {describe_codec(codec, params)} agreed with the uncompressed model on "

@@ -207,7 +207,8 @@ def test_a_controller_restart_is_followed_by_a_resync_that_restores_the_director
         assert process.lookup(token_ids=TOKENS)[0]["matched_tokens"] == 64
         registrations = reporter.counters["registrations"]
         process.restart()  # SIGKILL and start again on the same port: the directory is empty
-        assert process.get("/instances") == [] or process.instance("survivor") is not None
+        # (the registration count below shows it: the reporter registers again only when the
+        # restarted controller does not know it)
         wait_for(lambda: process.lookup(token_ids=TOKENS), "the instance resyncs after the restart")
         assert process.lookup(token_ids=TOKENS)[0]["matched_tokens"] == 64
         assert reporter.counters["registrations"] == registrations + 1

@@ -19,7 +19,7 @@ import threading
 import pytest
 import torch
 
-pytest.importorskip("flowkv.server", reason="the node server (issue 11) is not in this tree")
+
 
 from fleet_helpers import ControllerProcess, wait_for  # noqa: E402
 from flowkv.fleet.holder import EngineHolder  # noqa: E402
@@ -144,7 +144,6 @@ def test_a_node_servers_chunks_count_for_every_instance_that_reads_through_it(co
 @pytest.mark.vllm
 def test_vllm_through_a_node_server_is_found_by_the_controller_and_so_is_every_instance_sharing_it(
         controller, node_servers, tmp_path):
-    pytest.importorskip("vllm")
     from vllm_helpers import CHUNK_SIZE, generate, make_llm, random_tokens, request, shutdown_llm
 
     from flowkv.fleet.protocol import Registration, TierInfo

@@ -25,7 +25,8 @@ from flowkv.fleet.tokens import Tokenizers
 from vllm_helpers import tiny_model_dir
 from vllm_server import MODEL_NAME, VllmServer, free_port
 
-pytestmark = pytest.mark.vllm
+# One story in steps (the docstring): --shuffle moves the module whole.
+pytestmark = [pytest.mark.vllm, pytest.mark.in_order]
 
 TOKEN = "fleet-token"
 CHUNK = 256

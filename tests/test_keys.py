@@ -206,7 +206,7 @@ def test_sha256_cbor_matches_vllm_block_hashes():
     so the connector can reuse what vLLM already computed."""
     if os.environ.get("PYTHONHASHSEED"):
         pytest.skip("vLLM derives its root hash from PYTHONHASHSEED when it is set")
-    kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
+    from vllm.v1.core import kv_cache_utils
     from vllm.utils.hashing import sha256_cbor
 
     kv_cache_utils.init_none_hash(sha256_cbor)

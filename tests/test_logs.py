@@ -42,9 +42,28 @@ def test_the_flowkv_command_logs_with_time_level_and_process():
     assert lines_like(STANDARD_LINE, done.stderr, pid, "disk tier full"), done.stderr
 
 
+@pytest.mark.parametrize(("level", "debug_shown", "warning_shown"),
+                         [(None, False, True), ("DEBUG", True, True), ("ERROR", False, False)])
+def test_flowkv_logging_level_sets_flowkvs_level_and_only_flowkvs(level, debug_shown, warning_shown):
+    """FLOWKV_LOGGING_LEVEL outside vLLM: flowkv's loggers follow it (WARNING when unset); another
+    library's logger keeps the program's level."""
+    env = {"FLOWKV_LOGGING_LEVEL": level} if level else {}
+    base = {k: v for k, v in os.environ.items() if k != "FLOWKV_LOGGING_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", (
+        "import logging\n"
+        "from flowkv import cli\n"
+        "cli.main(['pipeline', 'list'])\n"
+        "logging.getLogger('flowkv.tiers').debug('flowkv debug line')\n"
+        "logging.getLogger('flowkv.tiers').warning('flowkv warning line')\n"
+        "logging.getLogger('otherlib').debug('other debug line')\n")],
+        capture_output=True, text=True, check=True, env={**base, **env}, timeout=600)
+    assert ("flowkv debug line" in done.stderr) == debug_shown, done.stderr
+    assert ("flowkv warning line" in done.stderr) == warning_shown, done.stderr
+    assert "other debug line" not in done.stderr
+
+
 @pytest.mark.parametrize("order", ["configure-then-plugin", "plugin-then-configure"])
 def test_inside_vllm_flowkv_lines_take_vllms_format(order):
-    pytest.importorskip("vllm")
     steps = ["configure_logging(LoggingConfig())", "vllm_plugin()"]
     if order == "plugin-then-configure":
         steps.reverse()
@@ -65,7 +84,6 @@ def test_inside_vllm_flowkv_lines_take_vllms_format(order):
 
 @pytest.mark.parametrize("why", ["vLLM does not configure logging", "the program configured logging"])
 def test_flowkv_leaves_logging_to_the_program_when_vllm_does_not_own_it(why):
-    pytest.importorskip("vllm")
     done = run(
         "import logging\n"
         "from flowkv.logs import vllm_plugin\n"

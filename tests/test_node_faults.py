@@ -40,7 +40,13 @@ from flowkv.tiers.disk import key_digest
 CLIENT = str(Path(__file__).resolve().parent / "node_client.py")
 TOKENS = 160  # 10 chunks of 16 tokens, 16 KiB each
 CHUNK_BYTES = CHUNK * 1024
-LEASE_S = 6.0
+# The server's lease timeout in the reclaim test. Its "not reclaimed yet" check runs right after the
+# kill: on a loaded two-core machine those few calls took up to seconds, so the lease is long enough
+# that the check always lands inside it (a readiness margin, not a speed claim).
+LEASE_S = 20.0
+# A call's bound in the hung-server test: long enough that no call to the live server (before the
+# SIGSTOP) runs out on a loaded machine, so the counts after it are exact.
+HUNG_CALL_TIMEOUT_S = 2.0
 
 
 
@@ -97,7 +103,7 @@ def test_a_client_killed_mid_store_is_reclaimed_after_the_lease_timeout_and_noth
 
 def test_a_hung_server_costs_one_bounded_call_then_misses_until_it_answers_again(node_servers, tmp_path):
     node = node_servers("hung")
-    e = engine(node_pipeline(tmp_path, node.socket, timeout_s=0.5))
+    e = engine(node_pipeline(tmp_path, node.socket, timeout_s=HUNG_CALL_TIMEOUT_S))
     ids, slots = torch.arange(TOKENS), slots_for(TOKENS)
     assert e.store(ids, kv_caches=kv_for(9), slot_mapping=slots) == TOKENS
     os.kill(node.pid, signal.SIGSTOP)

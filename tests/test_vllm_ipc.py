@@ -168,7 +168,6 @@ def test_socket_path_too_long_names_the_setting_to_change(tmp_path):
 
 
 def test_extra_config_splits_into_connector_keys_and_pipeline_overrides():
-    pytest.importorskip("vllm")
     from flowkv.integration.vllm import ConnectorSettings
 
     settings = ConnectorSettings.from_extra_config(

@@ -3,8 +3,8 @@
 Factors (issue 17): dtype (bf16, fp16, fp32); KV heads (MHA, GQA, one KV head);
 head size (64, 96, 128); vLLM block size (32, 64, 128, 256); chunk size
 against the block (divides it, equals it, exceeds it by a multiple or not);
-pipeline (local-cpu, local-cpu-lz4, cpu-disk, cpu-disk-zstd, cpu-redis on a
-real redis-server); layerwise on and off.
+pipeline (local-cpu, local-cpu-lz4, cpu-disk, cpu-disk-zstd, cpu-redis on a real
+redis-server over TLS); layerwise on and off.
 
 Every vLLM start costs 10-30 s on two cores, so the matrix is a covering
 subset (``ROWS``, printed at the end of the module): each level of every
@@ -13,7 +13,11 @@ pipeline, layerwise) with an engine-side level (dtype, KV heads, head
 size, block) that the rows below combine. An unconnected vLLM runs once per
 (model, dtype, block size) and generates every prompt any test of the
 module sends to that configuration (``BASELINE``), so a baseline engine is
-shared by the rows and fault tests that use it.
+shared by the rows and fault tests that use it. That unconnected engine runs
+for one row of each dtype (``UNCONNECTED_ROWS``); every other row's baseline
+is its own connected engine's first pass over those prompts with flowkv out of
+the way (a tag no other request carries, so nothing is found, and nothing
+stored) — the rows with both show that pass equals the unconnected vLLM's.
 
 Each row: a cold prompt, the same prompt again (a hit), a prompt sharing
 part of it, and a batch of a new prompt beside the first. Every generated
@@ -38,11 +42,11 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm")
+import vllm  # noqa: F401,E402 - a broken vLLM install fails these tests; it never skips them
 
 from flowkv._testing.tiny_model import tiny_model  # noqa: E402
 from flowkv.integration.vllm.settings import whole_block_chunk_size  # noqa: E402
-from redis_servers import RedisServer  # noqa: E402
+from redis_servers import RedisServer, TlsFiles  # noqa: E402
 from vllm_helpers import LOOKUP_TIMEOUT_MS, random_tokens  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -122,6 +126,9 @@ ROWS = [
     Row(Shape("MHA", 128), FP16, 256, 256, "cpu-redis", True),
     Row(Shape("MQA", 96), BF16, 64, 32, "cpu-disk", False),
 ]
+# The rows whose baseline is a vLLM without a connector (one per dtype); the others take their
+# connected engine's pass with flowkv out of the way, which these rows check against the unconnected one.
+UNCONNECTED_ROWS = [next(row for row in ROWS if row.dtype == dtype) for dtype in (BF16, FP16, FP32)]
 REDIS_ROW = next(row for row in ROWS if row.pipeline == "cpu-redis")
 DISK_ROW = next(row for row in ROWS if row.pipeline == "cpu-disk")
 # The fault tests' memory tier: room for the row's own prompts, so its hits are exact; the
@@ -193,11 +200,16 @@ def stop_llm(llm) -> None:
     gc.collect()
 
 
-def generate(llm, prompts: list[list[int]], *, skip_save: bool = False) -> list[tuple[list[int], int]]:
-    """One batch; (greedy token ids, tokens the connector loaded) per prompt. Every request must finish."""
+def generate(llm, prompts: list[list[int]], *, skip_save: bool = False,
+             tag: str | None = None) -> list[tuple[list[int], int]]:
+    """One batch; (greedy token ids, tokens the connector loaded) per prompt. Every request must finish.
+    ``tag`` keys the requests apart from every other (a cache-key tag)."""
     from vllm import SamplingParams
 
-    extra = {"kv_transfer_params": {"flowkv.skip_save": True}} if skip_save else None
+    params_of_request = {"flowkv.skip_save": True} if skip_save else {}
+    if tag is not None:
+        params_of_request["flowkv.tag.matrix"] = tag
+    extra = {"kv_transfer_params": params_of_request} if params_of_request else None
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, extra_args=extra)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert len(outputs) == len(prompts)
@@ -210,13 +222,28 @@ def generate(llm, prompts: list[list[int]], *, skip_save: bool = False) -> list[
 
 
 _baseline_tokens: dict[tuple[Shape, str, int], dict[tuple[int, ...], list[int]]] = {}
-comparisons = {"tokens": 0, "requests": 0}
+# A connected engine's pass over its configuration's prompts with flowkv out of the way.
+_bypass_tokens: dict[tuple[Shape, str, int], dict[tuple[int, ...], list[int]]] = {}
+comparisons = {"tokens": 0, "requests": 0, "unconnected": 0, "bypass": 0}
 ran_rows: list[str] = []
 
 
+def run_bypass(row: Row, llm) -> None:
+    """The row's baseline prompts through its connected engine, before it serves anything: flowkv
+    finds nothing (a tag of its own) and stores nothing."""
+    prompts = BASELINE_PROMPTS[row.baseline]
+    results = generate(llm, prompts, skip_save=True, tag="bypass")
+    assert all(cached == 0 for _, cached in results)
+    _bypass_tokens[row.baseline] = {tuple(p): tokens for p, (tokens, _) in zip(prompts, results)}
+
+
 def baseline(row: Row, prompt: list[int]) -> list[int]:
-    """The unconnected vLLM's greedy tokens for ``prompt`` (one engine per configuration, started once)."""
+    """The greedy tokens a vLLM without flowkv's help gives ``prompt``: an unconnected vLLM's for the
+    ``UNCONNECTED_ROWS`` (one engine per configuration, started once, and checked equal to the
+    connected engine's bypass pass), the bypass pass for the others."""
     config = row.baseline
+    if row not in UNCONNECTED_ROWS:
+        return _bypass_tokens[config][tuple(prompt)]
     if config not in _baseline_tokens:
         llm = start_llm(config)
         try:
@@ -225,6 +252,9 @@ def baseline(row: Row, prompt: list[int]) -> list[int]:
             assert all(cached == 0 for _, cached in generate(llm, prompts[:1]))  # no connector: nothing loaded
         finally:
             stop_llm(llm)
+        assert _bypass_tokens[config] == _baseline_tokens[config], (
+            f"{row}: the connected engine with flowkv out of the way differs from an unconnected vLLM: "
+            f"the other rows' baselines do not hold")
     return _baseline_tokens[config][tuple(prompt)]
 
 
@@ -234,11 +264,14 @@ def assert_same_tokens(row: Row, prompts: list[list[int]], results: list[tuple[l
         assert tokens == want, f"{row}: prompt of {len(prompt)} tokens generated {tokens}, unconnected vLLM {want}"
         comparisons["tokens"] += len(want)
         comparisons["requests"] += 1
+        comparisons["unconnected" if row in UNCONNECTED_ROWS else "bypass"] += 1
 
 
 @pytest.fixture(scope="module")
 def redis(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("matrix-redis")).start()
+    # TLS (rediss://, a CA of its own), as a Redis across machines is reached: the soak runs plain Redis.
+    folder = tmp_path_factory.mktemp("matrix-redis")
+    server = RedisServer(folder, tls=TlsFiles.create(folder / "pki")).start()
     yield server
     server.stop()
 
@@ -259,11 +292,16 @@ def connector_config(row: Row, redis: RedisServer, folder: Path) -> dict[str, An
         config["tiers.disk.timeout_s"] = 10.0
     if "redis" in row.pipeline:
         config |= {"tiers.redis.url": redis.url, "tiers.redis.namespace": f"matrix-{ROWS.index(row)}",
+                   "tiers.redis.tls_ca_file": str(redis.tls.ca_cert),
                    # A hung server costs one cut-off call per probe: short, and probed again soon.
                    "tiers.redis.timeout_s": 2.0, "tiers.redis.backoff_max_s": 1.0}
     if row in (REDIS_ROW, DISK_ROW):
         chunk_bytes = -(-row.shape.bytes_per_token(row.dtype) * row.stored_chunk // 4096) * 4096
         config["tiers.memory.capacity"] = FAULT_MEMORY_CHUNKS * chunk_bytes
+    if row == DISK_ROW:
+        # Disk hits loaded while vLLM waits in the step (the other rows take the default, "auto":
+        # a hit below memory loads asynchronously).
+        config["async_loads"] = "off"
     return config
 
 
@@ -281,6 +319,7 @@ class Engines:
             (self.folder / "ipc").mkdir(exist_ok=True)
             self.llm = start_llm(row, connector_config(row, self.redis, self.folder))
             self.row = row
+            run_bypass(row, self.llm)
         return self.llm
 
     def close(self) -> None:
@@ -294,8 +333,9 @@ def engines(redis, tier_folder):
     holder = Engines(redis, tier_folder)
     yield holder
     holder.close()
-    print(f"\nvLLM matrix: {len(ran_rows)} rows against an unconnected vLLM, "
-          f"{comparisons['requests']} requests, {comparisons['tokens']} greedy tokens compared")
+    print(f"\nvLLM matrix: {len(ran_rows)} rows, {comparisons['requests']} requests, {comparisons['tokens']} "
+          f"greedy tokens compared ({comparisons['unconnected']} requests against an unconnected vLLM, "
+          f"{comparisons['bypass']} against the connected engine's bypass pass)")
     for name in ran_rows:
         print(f"  {name}")
 
@@ -452,9 +492,12 @@ def test_disk_folder_removed_under_cpu_disk(engines, tier_folder):
     settle(lambda: disk_stats().get("writes", 0) >= writes + 2 * chunks, "writes to the recreated folder")
     run([prompts[5]])  # pushes prompts[3] out of memory
     hits = disk_stats().get("hits", 0)
+    async_before = worker(llm).get("async_loads", 0)
     [(_, cached)] = run([prompts[3]])
     assert cached == loadable(row, len(prompts[3]), len(prompts[3])) > 0
     assert disk_stats()["hits"] >= hits + 1
+    # async_loads = "off": the disk hit loaded synchronously, like every load of this row.
+    assert worker(llm).get("async_loads", 0) == async_before == 0
     assert folder.is_dir()
     assert worker(llm)["tiers"]["memory"]["pinned_objects"] == 0
     ran_rows.append(f"{row}: disk folder removed (the lost prompt: {lost['misses']} disk misses, "

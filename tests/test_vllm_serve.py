@@ -125,7 +125,7 @@ def test_sigterm_with_a_shutdown_timeout_drains_stores_and_leaves_no_socket(tmp_
         log = server.log()
         assert "all workers exited gracefully" in log
         assert "force killing" not in log
-        assert server.live_processes() == []
+        assert server.wait_for_group_exit() == [], "a process of the server outlived its stop"
         assert not own.exists(), "the worker's socket file was left behind"
         assert live.exists()
         # The document's whole chunks reached the disk tier.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm")
+import vllm  # noqa: F401,E402 - a broken vLLM install fails these tests; it never skips them
 
 from vllm_helpers import random_tokens  # noqa: E402
 from vllm_server import start_server  # noqa: E402
@@ -67,13 +67,32 @@ def test_cached_tokens_count_what_loaded_when_a_chunk_on_disk_is_corrupt(tmp_pat
         data[len(data) // 2:len(data) // 2 + 64] = bytes(64)
         files[3].write_bytes(bytes(data))
 
+        # The reference: the same prompt computed by the model alone (a tag of its own keys it apart, so
+        # nothing is found; nothing is stored).
+        alone = server.complete(doc + [8, 9], max_tokens=8,
+                                kv_transfer_params={"flowkv.skip_save": True, "flowkv.tag.test": "reference"})
+        assert (alone["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
+
+        [socket] = list(server.ipc_dir.glob("*.sock"))
+        async_loads = query_worker(socket, "stats")["stats"].get("async_loads", 0)
         retrieved = server.metric("vllm:flowkv_retrieved_tokens_total")
-        reply = server.complete(doc + [8, 9], max_tokens=2)
+        reply = server.complete(doc + [8, 9], max_tokens=8)
         # What vLLM reports as cached is what flowkv loaded, and flowkv counted it once.
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * CHUNK
         assert server.metric("vllm:flowkv_retrieved_tokens_total") - retrieved == 3 * CHUNK
+        # The three good chunks loaded and the rest recomputed: the answer the model gives alone.
+        assert reply["choices"][0]["text"] == alone["choices"][0]["text"]
         # The disk tier found chunk 3 corrupt once, and dropped it (the recomputed chunk may be written back).
-        [socket] = list(server.ipc_dir.glob("*.sock"))
-        assert query_worker(socket, "stats")["stats"]["tiers"]["disk"]["corrupt"] == 1
+        worker = query_worker(socket, "stats")["stats"]
+        assert worker["tiers"]["disk"]["corrupt"] == 1
+        # async_loads = "auto" (the default): the hit below memory loaded asynchronously.
+        assert worker.get("async_loads", 0) == async_loads + 1
+
+        # ... and a memory hit loads synchronously: a new document, stored, then asked again.
+        fresh = random_tokens(84, DOC)
+        server.complete(fresh + [3], max_tokens=1)
+        memory = server.complete(fresh + [4], max_tokens=2)
+        assert memory["usage"]["prompt_tokens_details"]["cached_tokens"] == DOC // CHUNK * CHUNK
+        assert query_worker(socket, "stats")["stats"].get("async_loads", 0) == async_loads + 1
     finally:
         server.close()

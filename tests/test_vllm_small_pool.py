@@ -3,19 +3,22 @@
 One engine for the module: vLLM's pool holds 40 blocks of 128 tokens, so two
 requests of 2,100 tokens that decode a few hundred tokens each do not fit and
 vLLM preempts one (frees its blocks and recomputes it later). The pipeline is
-``local-cpu`` plus a test stage in retrieve, ``vllm_helpers:evict_chunk``,
+``local-cpu`` plus two test stages in retrieve: ``vllm_helpers:evict_chunk``,
 that removes one chunk from the memory tier between lookup and get for
-requests tagged with it: a chunk evicted between vLLM's lookup and its load.
+requests tagged with it (a chunk evicted between vLLM's lookup and its load),
+and ``vllm_helpers:wrong_kv``, the canary that hands vLLM wrong KV for tagged
+requests (every "outputs equal after a hit" test rests on it changing them).
 """
 
 from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm")
+import vllm  # noqa: F401,E402 - a broken vLLM install fails these tests; it never skips them
 
 from vllm_helpers import (  # noqa: E402
     EVICT_TAG,
+    WRONG_KV_TAG,
     generate,
     make_llm,
     pipeline_file,
@@ -37,6 +40,7 @@ def llm(tmp_path_factory):
         folder,
         name="local-cpu-evict-test",
         retrieve_before_get=["vllm_helpers:evict_chunk"],
+        retrieve_before_scatter=["vllm_helpers:wrong_kv"],
     )
     engine = make_llm({"pipeline": str(path)}, kv_cache_blocks=POOL_BLOCKS, max_num_batched_tokens=1024)
     yield engine
@@ -45,6 +49,26 @@ def llm(tmp_path_factory):
 
 def counter(llm, name: str) -> int:
     return int(stats(llm).get(name, 0))
+
+
+@pytest.mark.parametrize("wrong", ["shift", "stale"])
+def test_wrong_kv_loaded_changes_the_tiny_models_greedy_tokens(llm, wrong):
+    """The canary: the right KV reproduces the cold tokens, and KV of the wrong blocks (shifted by one
+    block, or another chunk's) does not, on the model every equality test runs. Without it an
+    "identical outputs" test could pass with any load at all. (The tag is part of the key, so the
+    tagged prompt is stored cold under it and its hit is the one handed wrong KV.)"""
+    prompt = random_tokens(400 + len(wrong), 4 * 256 + 20)
+    plain = {"suite": f"canary-{wrong}"}
+    canary = {**plain, WRONG_KV_TAG: wrong}
+    [(cold, cold_cached), (tagged_cold, tagged_cold_cached)] = [
+        generate(llm, [request(prompt, max_tokens=16, tags=tags)])[0] for tags in (plain, canary)]
+    [(right, right_cached)] = generate(llm, [request(prompt, max_tokens=16, tags=plain)])
+    [(bad, bad_cached)] = generate(llm, [request(prompt, max_tokens=16, tags=canary)])
+
+    assert cold_cached == tagged_cold_cached == 0 and tagged_cold == cold
+    assert right_cached == bad_cached == 4 * 256
+    assert right == cold
+    assert bad != cold, f"KV loaded {wrong} gave the cold greedy tokens: equal outputs prove nothing"
 
 
 def test_preempted_request_reloads_its_prompt_from_flowkv(llm):

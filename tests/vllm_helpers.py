@@ -61,6 +61,9 @@ def make_llm(
     if max_num_batched_tokens is not None:
         llm_kwargs["max_num_batched_tokens"] = max_num_batched_tokens
     llm_kwargs.setdefault("enable_prefix_caching", False)
+    # Eager unless a test asks for compilation: torch.compile is not these tests' subject and costs
+    # each start 10-40 s on two cores (the compiled path runs in test_vllm_serve's fixtures).
+    llm_kwargs.setdefault("enforce_eager", True)
     # vLLM's CPU platform lets this variable override kv_cache_memory_bytes.
     saved_space = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     try:
@@ -212,3 +215,47 @@ def drop_layer(chunks: Iterator[Chunk], *, ctx) -> Iterator[Chunk]:
             if ctx.layer == layer and chunk.index == index:
                 continue
         yield chunk
+
+
+WRONG_KV_TAG = "test_wrong_kv"
+
+
+@stage("test-wrong-kv", kinds=("retrieve",), needs={"kv"}, gives={"kv"})
+def wrong_kv(chunks: Iterator[Chunk], *, ctx) -> Iterator[Chunk]:
+    """Hand ``scatter`` wrong KV for requests tagged ``test_wrong_kv``: the canary of every test that
+    compares greedy tokens after a hit (such a test proves something only if wrong KV changes them).
+
+    ``shift``: each chunk's blocks in the wrong order (rolled by one block, as an off-by-one-block
+    slot mapping would place them). ``stale``: each chunk gets the next chunk's KV (another
+    document's bytes at these positions, as a mis-keyed entry would give); the last chunk keeps its
+    own. The stored entries are never touched (new tensors). Requests without the tag pass untouched.
+
+    TOML::
+
+        [[retrieve.stages]]
+        use = "vllm_helpers:wrong_kv"
+    """
+    import torch
+
+    held: list[Chunk] = []
+    for chunk in chunks:
+        mode = chunk.request.tags.get(WRONG_KV_TAG)
+        if mode is None or chunk.kv is None:
+            yield from held
+            held.clear()
+            yield chunk
+            continue
+        if mode == "shift":
+            chunk.kv = torch.roll(chunk.kv, shifts=BLOCK_SIZE, dims=2)
+            yield chunk
+        elif mode == "stale":
+            held.append(chunk)
+            if len(held) == 2:
+                first, second = held
+                if first.kv.shape == second.kv.shape:
+                    first.kv = second.kv.clone()
+                yield first
+                held[:] = [second]
+        else:
+            raise ValueError(f"{WRONG_KV_TAG} is 'shift' or 'stale', not {mode!r}")
+    yield from held

@@ -14,7 +14,8 @@ server per test module (a start costs 25-70 s on two cores); import them::
 
 ``start_server(folder, kv_extra={...}, args=[...], env={...})`` starts one
 with other settings (another pipeline, vLLM flags, environment); the caller
-stops it (``close()``).
+stops it (``close()``). Servers run eager (``--enforce-eager``) unless ``compiled=True``: the
+two fixtures above run vLLM's compiled default, as a user's server does.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -49,25 +51,77 @@ STOP_TIMEOUT_S = 300.0
 LOOKUP_TIMEOUT_MS = 10_000
 
 
+# Bytes per element of the dtypes the tests serve the tiny model in (KV_BYTES_PER_BLOCK is bf16's).
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
 
 
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def shell_commands(text: str, *, fenced: bool = True) -> list[tuple[int, list[str]]]:
+    """The commands of a text as (line, argv), as a shell would split them: continued lines and
+    quoted JSON over several lines joined, comments dropped. ``fenced``: only inside a markdown
+    file's ```bash blocks."""
+    commands: list[tuple[int, list[str]]] = []
+    in_bash, pending, start = not fenced, "", 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if fenced and line.startswith("```"):
+            in_bash, pending = line.strip() == "```bash", ""
+            continue
+        if not in_bash:
+            continue
+        if not pending:
+            start = number
+        pending = pending[:-1] if pending.endswith("\\") else pending + ("\n" if pending else "")
+        pending += line
+        try:
+            argv = shlex.split(pending, comments=True)
+        except ValueError:  # a quote still open: the command goes on on the next line
+            continue
+        if pending.endswith("\\"):
+            continue
+        pending = ""
+        if argv:
+            commands.append((start, argv))
+    return commands
+
+
+def readme_serve_commands(path: Path = README) -> list[tuple[int, list[str]]]:
+    """Every ``vllm serve`` command of a markdown file's bash blocks (README.md's by default)."""
+    return [(line, argv) for line, argv in shell_commands(path.read_text(encoding="utf-8"))
+            if argv[:2] == ["vllm", "serve"]]
+
+
+def readme_transfer_config(line: int | None = None) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` of a README ``vllm serve`` command (the first one by default), parsed."""
+    for at, argv in readme_serve_commands():
+        if line is None or at == line:
+            return json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    raise LookupError(f"no vllm serve command at README.md:{line}")
+
+
 def flowkv_transfer_config(**extra: Any) -> dict[str, Any]:
-    """The README's --kv-transfer-config, with ``extra`` in kv_connector_extra_config."""
-    return {"kv_connector": "FlowKVConnector", "kv_connector_module_path": "flowkv.integration.vllm",
-            "kv_role": "kv_both", "kv_connector_extra_config": {"pipeline": "local-cpu", **extra}}
+    """The README's first --kv-transfer-config (its quick start), with ``extra`` in kv_connector_extra_config."""
+    config = readme_transfer_config()
+    config["kv_connector_extra_config"].update(extra)
+    return config
 
 
 class VllmServer:
     """One ``vllm serve`` process tree on loopback; see the module's docstring."""
 
     def __init__(self, folder: Path, *, kv_extra: dict[str, Any] | None = None, args: Sequence[str] = (),
-                 kv_cache_blocks: int = 512, env: dict[str, str] | None = None) -> None:
+                 kv_cache_blocks: int = 512, env: dict[str, str] | None = None, compiled: bool = False,
+                 dtype: str = "bfloat16") -> None:
         self.folder = folder
         self.env = env or {}
+        self.compiled = compiled
         self.folder.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -77,11 +131,15 @@ class VllmServer:
         command = [
             str(Path(sys.executable).parent / "vllm"), "serve", str(tiny_model_dir()),
             "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "bfloat16", "--block-size", str(BLOCK_SIZE), "--max-model-len", "4096",
+            "--dtype", dtype, "--block-size", str(BLOCK_SIZE), "--max-model-len", "4096",
             "--no-enable-prefix-caching", "--seed", "0",
-            "--kv-cache-memory-bytes", str(kv_cache_blocks * KV_BYTES_PER_BLOCK),
+            "--kv-cache-memory-bytes", str(kv_cache_blocks * KV_BYTES_PER_BLOCK * DTYPE_BYTES[dtype] // 2),
             "--enable-prompt-tokens-details",
         ]
+        if not compiled:
+            # torch.compile costs a start 10-40 s on two cores; only the main serve test's subject is the
+            # server as vLLM ships it (compiled), every other test's subject is flowkv.
+            command.append("--enforce-eager")
         if kv_extra is not None:
             config = flowkv_transfer_config(ipc_dir=str(self.ipc_dir),
                                             **{"lookup_timeout_ms": LOOKUP_TIMEOUT_MS, **kv_extra})
@@ -100,6 +158,8 @@ class VllmServer:
                "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}"),
                **self.env}
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
+        if self.compiled:
+            env.pop("VLLM_CPU_CI_ENV", None)  # vLLM's own default: inductor
         with open(self.log_path, "wb") as log:
             # A session of its own: every process of the server is in its process group.
             self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log,
@@ -146,6 +206,14 @@ class VllmServer:
         for leftover in self.ipc_dir.glob("*"):
             leftover.unlink()
         self.ipc_dir.rmdir()
+
+    def wait_for_group_exit(self, timeout_s: float = STOP_TIMEOUT_S) -> list[int]:
+        """Wait until no process of the server's group runs (the API server's exit does not wait for
+        its engine core and workers to finish exiting); the pids still running at ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while (left := self.live_processes()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return left
 
     def live_processes(self) -> list[int]:
         """Pids of the server's process group that are still running (zombies aside)."""
@@ -266,7 +334,7 @@ def start_server(folder: Path, *, kv_extra: dict[str, Any] | None = None, args: 
 @pytest.fixture(scope="module")
 def flowkv_server(tmp_path_factory) -> Iterator[VllmServer]:
     """`vllm serve` on the tiny model with flowkv (pipeline local-cpu, chunks of 256 tokens)."""
-    server = start_server(tmp_path_factory.mktemp("flowkv-serve"), kv_extra={"chunk_size": 256})
+    server = start_server(tmp_path_factory.mktemp("flowkv-serve"), kv_extra={"chunk_size": 256}, compiled=True)
     yield server
     server.close()
 
@@ -274,6 +342,6 @@ def flowkv_server(tmp_path_factory) -> Iterator[VllmServer]:
 @pytest.fixture(scope="module")
 def plain_server(tmp_path_factory) -> Iterator[VllmServer]:
     """The same `vllm serve`, without a KV connector: the reference outputs."""
-    server = start_server(tmp_path_factory.mktemp("plain-serve"))
+    server = start_server(tmp_path_factory.mktemp("plain-serve"), compiled=True)
     yield server
     server.close()

@@ -92,6 +92,8 @@ class VllmBlockHashes:
         """Whether ``request.block_hashes`` may stand for flowkv's chunk hashes of its tokens."""
         if self._usable is None:
             self._usable = self._same_root()
+            if not self._usable:
+                logger.info("flowkv: chunk hashes are flowkv's own, not vLLM's block hashes: %s", self.why_not)
         if not self._usable:
             return False
         if (getattr(request, "lora_request", None) is not None or getattr(request, "cache_salt", None)
