@@ -57,7 +57,7 @@ from flowkv.pipeline_model import (
     TierSpec,
     VllmSpec,
 )
-from flowkv.registry import RegistryError, did_you_mean
+from flowkv.registry import Facet, RegistryError, did_you_mean
 from flowkv.sizes import parse_size
 
 __all__ = [
@@ -512,7 +512,7 @@ class _Loader:
                        "a layerwise list runs its per-layer stages as one block", "graph")
 
     def check_list(self, kind: str, specs: tuple[StageSpec, ...], tiers: dict[str, TierSpec]) -> None:
-        given = {"request"}
+        given: set[str] = {Facet.REQUEST}
         for spec in specs:
             path = (kind, "stages", spec.index)
             if kind not in spec.info.kinds:

@@ -37,6 +37,7 @@ from typing import Any
 import attrs
 
 from flowkv.otlp_json import SpanRecord, TraceFileError, load_spans
+from flowkv.registry import Role, RegistryError, builtin_role
 
 __all__ = [
     "LayerStats",
@@ -72,7 +73,6 @@ SHORT_ROW_BYTES = 4096  # rows shorter than this make a gather/scatter slower th
 SHORT_CALL_NS = 250_000  # a transfer call this short at copy speed pays mostly its fixed cost
 COPY_GBPS_ATTRIBUTE = "flowkv.host.copy_gbps"
 _PROBE_ATTRIBUTES = ("flowkv.faults", "flowkv.cpu_ns", "flowkv.preempted")
-_TRANSFER_STAGES = frozenset({"gather", "scatter"})
 _PAGE_BYTES = 4096
 
 
@@ -91,11 +91,12 @@ class StageStats:
     share: float  # own_ns / own time of all stages of this kind
     tiers: tuple[str, ...] = ()  # flowkv.tier values the stage reported
     gbps: float | None = None  # total_bytes / own time, GB/s; None without bytes or time
-    transfer: bool = False  # moves KV between the engine's cache and chunk buffers (gather, scatter)
+    transfer: bool = False  # moves KV between the engine's cache and chunk buffers (role transfer, or probed)
     faults: int | None = None  # page faults during its transfers (None: not recorded)
     cpu_ns: int | None = None  # CPU time of the transferring thread
     preempted: int | None = None  # involuntary context switches meanwhile
     row_bytes: int | None = None  # the shortest row one copy moved
+    role: str = ""  # the stage's declared role (flowkv.stage.role; a built-in's own for older traces)
 
 
 @attrs.frozen
@@ -307,7 +308,7 @@ def summarize(spans: Sequence[SpanRecord], *, copy_gbps: float | None = None,
         name = name if isinstance(name, str) else span.name
         entry = totals.setdefault(
             (kind, name), {"count": 0, "own": 0, "measured": True, "bytes": 0, "items": 0, "errors": 0, "tiers": set(),
-                           "probe": None, "rows": None}
+                           "probe": None, "rows": None, "role": _role(span, name)}
         )
         own = span.attributes.get("flowkv.own_time_ns")
         if isinstance(own, int) and not isinstance(own, bool):
@@ -356,11 +357,12 @@ def summarize(spans: Sequence[SpanRecord], *, copy_gbps: float | None = None,
                     share=e["own"] / kind_own[kind] if kind_own[kind] else 0.0,
                     tiers=tuple(sorted(e["tiers"])),
                     gbps=e["bytes"] / e["own"] if e["bytes"] and e["own"] > 0 else None,
-                    transfer=name in _TRANSFER_STAGES or e["probe"] is not None,
+                    transfer=e["role"] == Role.TRANSFER or e["probe"] is not None,
                     faults=None if e["probe"] is None else e["probe"][0],
                     cpu_ns=None if e["probe"] is None else e["probe"][1],
                     preempted=None if e["probe"] is None else e["probe"][2],
                     row_bytes=e["rows"],
+                    role=e["role"],
                 )
                 for (kind, name), e in totals.items()
             ),
@@ -450,7 +452,15 @@ def summarize(spans: Sequence[SpanRecord], *, copy_gbps: float | None = None,
     return attrs.evolve(summary, suggestions=tuple(suggest(summary)))
 
 
-_CODEC_WORDS = ("compress", "codec", "encode", "decode", "quant")
+def _role(span: SpanRecord, name: str) -> str:
+    """What the stage of a span is: the role it recorded, else (older traces) a built-in's declared role."""
+    role = span.attributes.get("flowkv.stage.role")
+    if isinstance(role, str):
+        return role
+    try:
+        return str(builtin_role(name) or "")
+    except RegistryError:
+        return ""
 
 
 def suggest(summary: Summary) -> list[str]:
@@ -470,9 +480,9 @@ def suggest(summary: Summary) -> list[str]:
     4. **Layerwise off, loads matter.** No layer spans, but retrieve runs
        take at least [STEP_SHARE_FOR_LAYERWISE] of the ``flowkv.step`` time:
        try ``layerwise = true`` so loads overlap compute.
-    5. **Codec dominates.** A stage whose name says codec (compress, codec,
-       encode, decode, quant) takes at least [DOMINANT_SHARE] of its run
-       kind's own time: pick a faster codec, or none.
+    5. **Codec dominates.** A stage of role codec (compress, decompress, a
+       third-party codec) takes at least [DOMINANT_SHARE] of its run kind's
+       own time: pick a faster codec, or none.
     6. **Small items, batching.** A stage with at least [DOMINANT_SHARE] of
        its kind's own time, at least [MIN_ITEMS_FOR_BATCHING] items, and
        under [SMALL_ITEM_BYTES] per item on average: raise its ``batch``.
@@ -526,7 +536,7 @@ def suggest(summary: Summary) -> list[str]:
         label = f"{stage.kind}/{stage.stage}" if stage.kind else stage.stage
         if stage.share < DOMINANT_SHARE:
             continue
-        if any(word in stage.stage.lower() for word in _CODEC_WORDS):
+        if stage.role == Role.CODEC:
             advice.append(
                 f"Codec stage {label} takes {stage.share:.0%} of {stage.kind or 'its'} time: "
                 "choose a faster codec (or none) for this pipeline."

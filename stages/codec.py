@@ -10,7 +10,7 @@ import attrs
 from flowkv import payload as payloads
 from flowkv.codecs import prefix_window
 from flowkv.items import Chunk, RunContext
-from flowkv.registry import stage
+from flowkv.registry import Role, stage
 
 
 @attrs.frozen(kw_only=True)
@@ -36,7 +36,14 @@ class CompressConfig:
         codecs.get_codec(self.codec).resolve_params(**self.params())
 
 
-@stage("compress", kinds=("store",), needs={"kv"}, gives={"payload"}, config=CompressConfig)
+def _lossy(config: CompressConfig) -> bool:
+    from flowkv import codecs
+
+    return not codecs.get_codec(config.codec).lossless
+
+
+@stage("compress", kinds=("store",), needs={"kv"}, gives={"payload"}, config=CompressConfig, role=Role.CODEC,
+       lossy=_lossy, encodings=lambda config: [(config.codec, config.params())])
 def compress(
     chunks: Iterator[Chunk],
     *,
@@ -86,7 +93,7 @@ def stored_end(services: Any, request: Any) -> int:
     return request.num_tokens - request.num_tokens % services.chunk_size
 
 
-@stage("decompress", kinds=("retrieve",), needs={"payload"}, gives={"kv"})
+@stage("decompress", kinds=("retrieve",), needs={"payload"}, gives={"kv"}, role=Role.CODEC)
 def decompress(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
     """Decode each encoded chunk, checking its header and checksum; raw chunks pass.
 

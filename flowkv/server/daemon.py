@@ -661,12 +661,8 @@ def _leading(held: list[bool]) -> int:
 
 
 def _codec_of(pipeline: Pipeline | None) -> tuple[str, dict[str, Any]]:
-    """The codec (and its parameters) of the server pipeline's first ``compress`` stage."""
-    for spec in pipeline.store if pipeline is not None else ():
-        if spec.name == "compress":
-            settings = spec.settings()
-            return settings.get("codec", "none"), {k: v for k, v in settings.items() if k != "codec" and v is not None}
-    return "none", {}
+    """The codec (and its parameters) of the server pipeline's first codec stage."""
+    return pipeline.store_codec() if pipeline is not None else ("none", {})
 
 
 def _tracer(spec: TelemetrySpec) -> Any:
