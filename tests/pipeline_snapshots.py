@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 SNAPSHOTS = Path(__file__).resolve().parent / "fixtures" / "effective"
-_WHERE = ("source", "at", "stage", "implementation", "from")
+_WHERE = ("source", "at", "stage", "implementation", "from", "extends")
 
 
 def effective(pipeline: Any) -> dict[str, Any]:
@@ -26,7 +26,8 @@ def effective(pipeline: Any) -> dict[str, Any]:
             return [strip(v) for v in value]
         return value
 
-    return strip(describe(pipeline))
+    # The tier order is the lookup order: kept as a list (a JSON object's keys are not compared in order).
+    return {**strip(describe(pipeline)), "tier_order": list(pipeline.tiers)}
 
 
 def write_snapshot(name: str, pipeline: Any) -> None:
