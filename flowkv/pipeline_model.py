@@ -167,6 +167,9 @@ class Pipeline:
     vllm: VllmSpec
     quality: QualitySpec = QualitySpec()
     controller: ControllerSpec = ControllerSpec()
+    extends: tuple[str, ...] = ()  # the files this one extends, nearest first
+    # Where each table and key was written: "pipeline.chunk_size" -> "FILE:LINE" (defaults have none).
+    origins: dict[str, str] = attrs.field(factory=dict, eq=False, repr=False)
 
     @property
     def chunk_size(self) -> int:

@@ -94,6 +94,14 @@ def test_entry_point_names_the_tier(installed):
     assert spec.config.capacity == 1 << 20
 
 
+def test_the_example_pipeline_extends_local_cpu_to_what_it_was_as_a_whole_copy(installed):
+    import json
+
+    from pipeline_snapshots import effective, read_snapshot
+
+    assert json.loads(json.dumps(effective(load_pipeline(PIPELINE)))) == read_snapshot("cpu-sqlite")
+
+
 def test_round_trip_through_the_example_pipeline(installed, tmp_path):
     """Store, restart, retrieve: every chunk comes back from SQLite, bit for bit."""
     database = tmp_path / "kv.sqlite3"
