@@ -214,7 +214,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     print("built-in tier kinds:")
     for name, target in known["tiers"]:
         print(f"  {name:<18} {target}")
-    print("installed (entry point group 'flowkv.stages'):")
+    print("installed (entry point group 'flowkv.plugins'; 'flowkv.stages' is deprecated):")
     for name, target in known["installed"] or [("(none)", "")]:
         print(f"  {name:<18} {target}")
     return 0

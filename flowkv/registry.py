@@ -4,8 +4,9 @@ Three ways to name a stage or tier kind in a pipeline file:
 
 - a built-in short name (``gather``, ``disk``), registered below as
   name -> ``"module:attribute"`` and imported only when first used;
-- a third-party name from the ``flowkv.stages`` entry-point group of an
-  installed distribution, loaded only when used;
+- a third-party name from the ``flowkv.plugins`` entry-point group of an
+  installed distribution, loaded only when used (the older group
+  ``flowkv.stages`` still works, with a ``DeprecationWarning`` when used);
 - a one-off ``"pkg.module:name"`` reaching user code directly.
 
 Misuse of the decorators is caught where it happens, with the function's
@@ -19,12 +20,15 @@ import enum
 import importlib
 import importlib.metadata
 import inspect
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
 
-ENTRY_POINT_GROUP = "flowkv.stages"
+ENTRY_POINT_GROUP = "flowkv.plugins"
+# The group's first name: still read, with a DeprecationWarning when one of its names is used.
+DEPRECATED_ENTRY_POINT_GROUP = "flowkv.stages"
 PIPELINE_KINDS = ("store", "retrieve", "lookup")
 
 # Built-in stages: name -> "module:attribute", imported lazily.
@@ -136,6 +140,9 @@ class StageInfo:
     # What a codec (or another lossy stage) writes, as quality records name it: its config to
     # [(codec, parameters set)]. Default: the stage's own name and its settings that are set.
     encodings: Callable[[Any], list[tuple[str, dict[str, Any]]]] | None = None
+    # A stage declared with config= whose function takes ``config``: it gets the instance, so the
+    # settings are written once (the attrs class), not again as keyword parameters.
+    takes_config: bool = False
 
     def make_config(self, **settings: Any) -> Any:
         return self.config_cls(**settings)
@@ -152,6 +159,9 @@ class StageInfo:
         return [(self.name, settings)]
 
     def config_kwargs(self, config: Any) -> dict[str, Any]:
+        """What the runner passes the function: ``config=`` the instance when it takes one, else its fields."""
+        if self.takes_config:
+            return {"config": config}
         return attrs.asdict(config, recurse=False)
 
 
@@ -227,7 +237,8 @@ def stage(
 
     ``kinds`` lists the pipelines it may appear in (store, retrieve, lookup);
     ``needs`` and ``gives`` are the item facets (`Facet`) it reads and adds; ``config``
-    is an attrs class of its settings, else its keyword-only parameters are.
+    is an attrs class of its settings (the function then takes ``config``, the
+    instance), else its keyword-only parameters are.
     ``per_layer`` stages run once per attention layer in layerwise pipelines
     (``ctx.layer`` says which); the stages before and after them run once.
 
@@ -257,6 +268,13 @@ def stage(
             raise RegistryError(
                 f"stage '{name}' ({where}): config= must be an attrs class", kind="misuse"
             )
+        params = inspect.signature(func).parameters
+        takes_config = "config" in params
+        if takes_config and (config is None or params["config"].kind is not inspect.Parameter.KEYWORD_ONLY):
+            raise RegistryError(
+                f"stage '{name}' ({where}): a 'config' parameter takes the instance of config=: declare "
+                "config=AttrsClass and make 'config' keyword-only", kind="misuse"
+            )
         try:
             declared_role = Role(role)
         except ValueError:
@@ -265,7 +283,6 @@ def stage(
                 f"roles are {[r.value for r in Role]}",
                 kind="misuse",
             ) from None
-        params = inspect.signature(func).parameters
         info = StageInfo(
             name=name,
             func=func,
@@ -280,6 +297,7 @@ def stage(
             accepts_hashes=accepts_hashes,
             lossy=lossy,
             encodings=encodings,
+            takes_config=takes_config,
         )
         func.__flowkv_stage__ = info  # type: ignore[attr-defined]
         return func
@@ -316,7 +334,8 @@ def tier(name: str, *, config: type) -> Callable[[type], type]:
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
     found: dict[str, importlib.metadata.EntryPoint] = {}
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+    for ep in [*importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
+               *importlib.metadata.entry_points(group=DEPRECATED_ENTRY_POINT_GROUP)]:
         if ep.name in BUILTIN_STAGES or ep.name in BUILTIN_TIERS:
             raise RegistryError(
                 f"two stages named '{ep.name}': the built-in one "
@@ -391,7 +410,14 @@ def _resolve(name: str, builtins: dict[str, str], *, what: str, decorator: str) 
         if name not in entry_points:
             known = list(builtins) + list(entry_points)
             raise RegistryError(f"unknown {what} '{name}'{did_you_mean(name, known)}", kind="unknown")
-        obj = _import_target(entry_points[name].value, name)
+        ep = entry_points[name]
+        if ep.group == DEPRECATED_ENTRY_POINT_GROUP:
+            warnings.warn(
+                f"'{name}' comes from the entry-point group '{DEPRECATED_ENTRY_POINT_GROUP}' of distribution "
+                f"{_dist_name(ep)}; register it under '{ENTRY_POINT_GROUP}' (the old group will go away)",
+                DeprecationWarning, stacklevel=3,
+            )
+        obj = _import_target(ep.value, name)
     info = getattr(obj, f"__flowkv_{decorator}__", None)
     if info is None:
         raise RegistryError(

@@ -60,7 +60,7 @@ class BoundStage:
         return cls(
             name=spec.name,
             func=spec.info.func,
-            settings=spec.settings(),
+            settings=spec.info.config_kwargs(spec.config),
             takes_ctx=spec.info.takes_ctx,
             location=spec.location.short,
             index=spec.index,

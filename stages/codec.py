@@ -44,19 +44,7 @@ def _lossy(config: CompressConfig) -> bool:
 
 @stage("compress", kinds=("store",), needs={"kv"}, gives={"payload"}, config=CompressConfig, role=Role.CODEC,
        lossy=_lossy, encodings=lambda config: [(config.codec, config.params())])
-def compress(
-    chunks: Iterator[Chunk],
-    *,
-    ctx: RunContext,
-    codec: str = "none",
-    level: int | None = None,
-    acceleration: int | None = None,
-    group_size: int | None = None,
-    key_group_size: int | None = None,
-    scale_dtype: str | None = None,
-    scaling: str | None = None,
-    window: int | None = None,
-) -> Iterator[Chunk]:
+def compress(chunks: Iterator[Chunk], *, ctx: RunContext, config: CompressConfig) -> Iterator[Chunk]:
     """Encode each chunk's KV with ``codec`` (a header with a checksum, then the body).
 
     Codecs: ``none`` (the chunk stays raw; byte tiers get a plain payload),
@@ -74,14 +62,13 @@ def compress(
         codec = "zstd-shuffle"
         level = 1
     """
-    params = CompressConfig(codec=codec, level=level, acceleration=acceleration, group_size=group_size,
-                            key_group_size=key_group_size, scale_dtype=scale_dtype, scaling=scaling,
-                            window=window).params()
+    params = config.params()
     for chunk in chunks:
-        if codec != "none":
-            if window:
-                params["window"] = prefix_window(window, chunk.start, chunk.end, stored_end(ctx.services, chunk.request))
-            chunk.payload = payloads.encode(chunk.kv, codec, **params)
+        if config.codec != "none":
+            if config.window:
+                params["window"] = prefix_window(config.window, chunk.start, chunk.end,
+                                                 stored_end(ctx.services, chunk.request))
+            chunk.payload = payloads.encode(chunk.kv, config.codec, **params)
             ctx.record(bytes=len(chunk.payload))
         yield chunk
 

@@ -3,7 +3,7 @@
 pip builds the example's wheel and installs it into a temporary folder (never
 the project's venv); the tests put that folder on ``sys.path`` or
 ``PYTHONPATH``, so flowkv finds ``kind = "sqlite"`` through the real
-``flowkv.stages`` entry point of an installed distribution, and runs the
+``flowkv.plugins`` entry point of an installed distribution, and runs the
 example's own pipeline file through the cache engine.
 """
 

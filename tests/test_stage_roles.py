@@ -14,13 +14,13 @@ from flowkv.items import Chunk, RunContext
 from flowkv.pipeline import PipelineError, dumps_pipeline, load_pipeline
 from flowkv.registry import BUILTIN_STAGES, Facet, RegistryError, Role, resolve_stage
 from flowkv.stages.chunking import chunk_hash
-from flowkv.stages.codec import compress
+from flowkv.stages.codec import CompressConfig, compress
 
 
 @flowkv.stage("halve-precision", kinds=("store",), needs={"kv"}, gives={"payload"}, role=Role.CODEC, lossy=True)
 def halve_precision(chunks: Iterator[Chunk], *, ctx: RunContext, bits: int = 4) -> Iterator[Chunk]:
     """A third-party lossy codec: it encodes as `compress` with int4 would (what it writes is not the point)."""
-    yield from compress(chunks, ctx=ctx, codec="int4")
+    yield from compress(chunks, ctx=ctx, config=CompressConfig(codec="int4"))
 
 
 @flowkv.stage("smooth-kv", kinds=("store",), needs={"kv"}, gives={"kv"}, lossy=True)
