@@ -73,8 +73,9 @@ __all__ = [
 def builtin_pipelines() -> dict[str, Path]:
     """Built-in pipeline files by name (``local-cpu`` -> ``.../local-cpu.toml``)."""
     root = importlib.resources.files("flowkv.pipelines")
+    # Resolved: in a checkout flowkv/pipelines is a link to the top-level pipelines/ (for the tools).
     return {
-        Path(entry.name).stem: Path(str(entry))
+        Path(entry.name).stem: Path(str(entry)).resolve()
         for entry in root.iterdir()
         if entry.name.endswith(".toml")
     }

@@ -20,6 +20,7 @@ import enum
 import importlib
 import importlib.metadata
 import inspect
+import os
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -109,7 +110,8 @@ class RegistryError(Exception):
 
 def _where(obj: Any) -> str:
     try:
-        file = inspect.getsourcefile(obj) or "?"
+        # Resolved: in a checkout flowkv/stages is a link to the top-level stages/ (for the tools).
+        file = os.path.realpath(inspect.getsourcefile(obj) or "?")
         line = inspect.getsourcelines(obj)[1]
         return f"{file}:{line}"
     except (OSError, TypeError):
