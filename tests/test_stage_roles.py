@@ -179,3 +179,23 @@ def test_the_trace_summary_knows_a_codec_by_the_role_its_spans_record(tmp_path):
     roles = {s.stage: s.role for s in summary.stages}
     assert roles == {"pass-through": "flow", "squeeze": "codec"}
     assert any(advice.startswith("Codec stage store/squeeze takes") for advice in summary.suggestions)
+
+
+# -- the node server's codec ---------------------------------------------------------------------
+
+
+def test_the_node_servers_codec_is_its_pipelines_first_codec_stage_by_role(tmp_path, caplog):
+    from flowkv.server.daemon import _codec_of
+
+    assert _codec_of(load_pipeline("node-server-disk")) == ("none", {})
+    assert _codec_of(load_pipeline("local-cpu-lz4")) == ("lz4-shuffle", {})
+    # put (memory) comes first there: the codec stage is found by its role, wherever it sits.
+    assert _codec_of(load_pipeline("cpu-disk-zstd")) == ("zstd-shuffle", {"level": 1})
+    # A third-party codec is no encoding the server knows: its lower tiers get raw chunks, and it says so.
+    path = tmp_path / "server.toml"
+    path.write_text(pipeline_text((f"{__name__}:halve_precision", {"bits": 3})))
+    pipeline = load_pipeline(path)
+    assert pipeline.store_codec() == ("halve-precision", {"bits": 3})
+    with caplog.at_level("WARNING", logger="flowkv.server"):
+        assert _codec_of(pipeline) == ("none", {})
+    assert "codec 'halve-precision'" in caplog.text
