@@ -166,19 +166,21 @@ class _Layer:
         if not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)):
             self.error(cpos, cfile, (kind, "replace"), f"[{kind}] replace must name consecutive stages of the "
                        f"parent's list, e.g. replace = [\"compress\"]", "invalid-value")
-            names = []
+            _carry(pos, ppos, (kind,), (kind,))
+            return parent
         if not isinstance(theirs, list) or not isinstance(mine, list):
             _carry(pos, cpos, (kind,), (kind,))
             return section
         uses = [table.get("use") if isinstance(table, dict) else None for table in theirs]
         start = next((i for i in range(len(uses) - len(names) + 1) if uses[i:i + len(names)] == names), None)
-        if names and start is None:
+        if start is None:
+            hint = "".join(did_you_mean(n, [u for u in uses if isinstance(u, str)]) for n in names if n not in uses)
             self.error(cpos, cfile, (kind, "replace"),
                        f"[{kind}] replace = {names}: the [[{kind}.stages]] of {pfile} have no such consecutive "
-                       f"stages (they are: {', '.join(map(str, uses))})", "unknown-stage")
-        if start is None:
-            _carry(pos, cpos, (kind,), (kind,))
-            return section
+                       f"stages (they are: {', '.join(map(str, uses))}){hint}", "unknown-stage")
+            # Nothing to splice into: the parent's list stands, and only the replace is reported.
+            _carry(pos, ppos, (kind,), (kind,))
+            return parent
         stages = [*theirs[:start], *mine, *theirs[start + len(names):]]
         _carry(pos, cpos, (kind,), (kind,), only_self=True)
         _carry(pos, cpos if (kind, "stages") in cpos else ppos, (kind, "stages"), (kind, "stages"), only_self=True)

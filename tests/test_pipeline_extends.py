@@ -88,6 +88,9 @@ def test_replace_and_drop_that_match_nothing_say_what_the_parent_has(tmp_path):
     messages = {d.line: d.message for d in caught.value.diagnostics}
     assert "declares no tier 'disk' to drop" in messages[4]
     assert "no such consecutive stages (they are: tokenize, chunk-hash, allocate, gather, compress, put)" in messages[7]
+    assert len(caught.value.diagnostics) == 2  # the parent's list stands: no errors that follow from the first
+    with pytest.raises(PipelineError, match=r"\(they are: .*\); did you mean 'compress'\?"):
+        load_pipeline(write(tmp_path, "typo.toml", f'extends = "{LOCAL_CPU}"\n[store]\nreplace = "compres"\n'))
     # Without extends, a replace is an unknown key that says what it needs.
     lone = write(tmp_path, "lone.toml", (PIPELINES / "local-cpu.toml").read_text() + '\n[store]\nreplace = ["put"]\n')
     with pytest.raises(PipelineError, match="works in a file that says extends"):
