@@ -8,7 +8,7 @@ stage run is an OpenTelemetry span; the vLLM connector lives in
 from flowkv.calls import KVTransfer, RetrieveResult, StoreResult
 from flowkv.items import Chunk, Request, RunContext, Services
 from flowkv.pipeline import Diagnostic, Pipeline, PipelineError, load_pipeline, loads_pipeline
-from flowkv.registry import stage, tier
+from flowkv.registry import Facet, Role, stage, tier
 from flowkv.runner import Runner, StageError
 
 __version__ = "0.1.0"
@@ -17,11 +17,13 @@ __all__ = [
     "CacheEngine",
     "Chunk",
     "Diagnostic",
+    "Facet",
     "KVTransfer",
     "Pipeline",
     "PipelineError",
     "Request",
     "RetrieveResult",
+    "Role",
     "RunContext",
     "Runner",
     "Services",

@@ -140,6 +140,9 @@ def describe(pipeline) -> dict[str, Any]:
 
     return {
         "source": pipeline.source,
+        "extends": list(pipeline.extends),
+        # Where each setting a file wrote came from: "pipeline.name" -> "FILE:LINE".
+        "from": {path: where for path, where in pipeline.origins.items() if path.count(".") >= 1},
         "pipeline": plain(pipeline.section),
         "tiers": {
             name: {"kind": t.kind, "implementation": t.info.origin, "at": t.location.short, **plain(t.config)}
@@ -165,15 +168,21 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    print(f"# {info['source']}")
+    print(f"# {info['source']}" + (f" (extends {' <- '.join(info['extends'])})" if info["extends"] else ""))
+    origins = info["from"] if info["extends"] else {}
+
+    def setting(path: str, key: str, value: Any) -> str:
+        where = origins.get(f"{path}.{key}")
+        return f"  {key} = {value!r}" + (f"  # from {where}" if where else "")
+
     for section in ("pipeline", "layerwise", "telemetry", "vllm", "quality", "controller"):
         print(f"[{section}]")
         for key, value in info[section].items():
-            print(f"  {key} = {value!r}")
+            print(setting(section, key, value))
     for name, table in info["tiers"].items():
         print(f"[tiers.{name}]")
         for key, value in table.items():
-            print(f"  {key} = {value!r}")
+            print(setting(f"tiers.{name}", key, value))
     for kind in ("store", "retrieve", "lookup"):
         chain = " -> ".join(s["use"] for s in info[kind]) or "(none)"
         print(f"{kind}: {chain}")
@@ -205,7 +214,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     print("built-in tier kinds:")
     for name, target in known["tiers"]:
         print(f"  {name:<18} {target}")
-    print("installed (entry point group 'flowkv.stages'):")
+    print("installed (entry point group 'flowkv.plugins'; 'flowkv.stages' is deprecated):")
     for name, target in known["installed"] or [("(none)", "")]:
         print(f"  {name:<18} {target}")
     return 0

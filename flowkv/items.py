@@ -10,8 +10,7 @@ kind, request and layer, ``record`` for its span, ``defer`` for cleanup, and
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -121,7 +120,7 @@ class RunContext:
     """Handed to stages that declare a ``ctx`` parameter.
 
     ``services`` is what the engine offers stages (``Services``; None when a
-    stage runs alone, e.g. in ``flowkv.testing.run_stage``); ``record`` puts
+    runner drives stages with no engine behind them); ``record`` puts
     attributes on the running stage's span without the stage touching
     OpenTelemetry.
     """
@@ -136,14 +135,6 @@ class RunContext:
     totals: dict[str, float] = attrs.field(factory=dict)
     # Called once the run is over, whatever its end: releases what stages took.
     _deferred: list[Callable[[], Any]] = attrs.field(factory=list)
-
-    @property
-    def engine(self) -> Any:
-        """Deprecated: stages use ``ctx.services``. A read-only view with the old
-        engine's names (``memory``, ``geometry``, ``chunk_size``, ``count``, ...)."""
-        warnings.warn("ctx.engine is deprecated; use ctx.services (flowkv.items.Services)",
-                      DeprecationWarning, stacklevel=2)
-        return _LegacyEngineView(self.services) if self.services is not None else None
 
     def defer(self, callback: Callable[[], Any]) -> None:
         """Call ``callback`` when the run ends (e.g. drop a reference a stage took)."""
@@ -169,22 +160,3 @@ class RunContext:
                 self.totals[name] = self.totals.get(name, 0) + value
         if self._recorder is not None:
             self._recorder(attributes)
-
-
-class _LegacyEngineView:
-    """What stages written against ``ctx.engine`` used, answered from the services."""
-
-    def __init__(self, services: Services) -> None:
-        self._services = services
-        self.memory = services.storage.memory
-        self.memory_name = services.storage.staging
-        self.tier_names = list(services.storage.order)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._services, name)
-
-    def chunk_shape(self, chunk: Chunk) -> tuple[int, ...]:
-        return self._services.chunk_shape(chunk.num_tokens)
-
-    def key_prefix(self, tags: Mapping[str, str]) -> Any:
-        return self._services.keys.prefix(tags)

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import importlib.resources
 import json
-import re
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -41,7 +39,7 @@ import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
 
 from flowkv import pipeline_model, registry
-from flowkv._tomlpos import key_positions, locate
+from flowkv.pipeline_extends import Positions, read_layers
 from flowkv.pipeline_model import (
     ControllerSpec,
     Diagnostic,
@@ -57,7 +55,7 @@ from flowkv.pipeline_model import (
     TierSpec,
     VllmSpec,
 )
-from flowkv.registry import RegistryError, did_you_mean
+from flowkv.registry import Facet, RegistryError, did_you_mean
 from flowkv.sizes import parse_size
 
 __all__ = [
@@ -75,8 +73,9 @@ __all__ = [
 def builtin_pipelines() -> dict[str, Path]:
     """Built-in pipeline files by name (``local-cpu`` -> ``.../local-cpu.toml``)."""
     root = importlib.resources.files("flowkv.pipelines")
+    # Resolved: in a checkout flowkv/pipelines is a link to the top-level pipelines/ (for the tools).
     return {
-        Path(entry.name).stem: Path(str(entry))
+        Path(entry.name).stem: Path(str(entry)).resolve()
         for entry in root.iterdir()
         if entry.name.endswith(".toml")
     }
@@ -201,27 +200,27 @@ class _Loader:
         self.overrides = overrides
         self.check_quality = check_quality
         self.diagnostics: list[Diagnostic] = []
-        self.positions: dict[tuple[str | int, ...], tuple[int, int]] = {}
+        self.positions: Positions = {}
+        self.extends: tuple[str, ...] = ()
+
+    def where(self, path: tuple[str | int, ...]) -> tuple[str, int, int]:
+        """The file, line and column of ``path`` (or of its nearest ancestor), in the file that wrote it."""
+        for depth in range(len(path), 0, -1):
+            found = self.positions.get(tuple(path[:depth]))
+            if found is not None:
+                return found
+        return (self.file, 1, 1)
 
     def error(self, path: tuple[str | int, ...], message: str, kind: str) -> None:
-        line, col = locate(self.positions, path)
-        self.diagnostics.append(Diagnostic(self.file, line, col, message, kind))
+        self.diagnostics.append(Diagnostic(*self.where(path), message, kind))
 
     def loc(self, path: tuple[str | int, ...]) -> Location:
-        line, col = locate(self.positions, path)
-        return Location(self.file, line, col)
+        return Location(*self.where(path))
 
-    # phase 1: parse
+    # phase 1: parse (with the files it extends)
     def load(self) -> Pipeline:
-        try:
-            raw = tomllib.loads(self.text)
-        except tomllib.TOMLDecodeError as exc:
-            line, col = _syntax_position(exc)
-            message = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(exc))
-            raise PipelineError(
-                [Diagnostic(self.file, line, col, f"TOML syntax: {message}", "syntax")]
-            ) from None
-        self.positions = key_positions(self.text)
+        raw, self.positions, self.extends = read_layers(self.text, self.file, builtins=builtin_pipelines,
+                                                        problems=self.diagnostics)
         self.apply_overrides(raw)
         pipeline = self.structure(raw)
         if self.diagnostics or pipeline is None:
@@ -291,6 +290,8 @@ class _Loader:
             vllm=vllm,
             quality=quality,
             controller=controller,
+            extends=self.extends,
+            origins={".".join(map(str, path)): f"{file}:{line}" for path, (file, line, _) in self.positions.items()},
         )
 
     def check_quality_gate(self, quality: QualitySpec, store: tuple[StageSpec, ...]) -> None:
@@ -400,12 +401,9 @@ class _Loader:
         if not isinstance(section, dict) or set(section) - {"stages"}:
             extra = sorted(set(section) - {"stages"}) if isinstance(section, dict) else []
             for key in extra:
-                self.error(
-                    (kind, key),
-                    f"[{kind}]: unknown key '{key}'{did_you_mean(key, ['stages'])} "
-                    f"(declare stages as [[{kind}.stages]] tables)",
-                    "unknown-key",
-                )
+                hint = (" (replace = [...] works in a file that says extends = ...)" if key == "replace"
+                        else f"{did_you_mean(key, ['stages'])} (declare stages as [[{kind}.stages]] tables)")
+                self.error((kind, key), f"[{kind}]: unknown key '{key}'{hint}", "unknown-key")
             if not isinstance(section, dict):
                 self.error((kind,), f"'{kind}' must hold [[{kind}.stages]] tables", "invalid-value")
                 return ()
@@ -512,7 +510,7 @@ class _Loader:
                        "a layerwise list runs its per-layer stages as one block", "graph")
 
     def check_list(self, kind: str, specs: tuple[StageSpec, ...], tiers: dict[str, TierSpec]) -> None:
-        given = {"request"}
+        given: set[str] = {Facet.REQUEST}
         for spec in specs:
             path = (kind, "stages", spec.index)
             if kind not in spec.info.kinds:
@@ -568,13 +566,3 @@ def _plain(exc: BaseException) -> str:
     if isinstance(exc, KeyError) and exc.args:
         return str(exc.args[0])
     return str(exc) or type(exc).__name__
-
-
-def _syntax_position(exc: tomllib.TOMLDecodeError) -> tuple[int, int]:
-    line = getattr(exc, "lineno", None)
-    col = getattr(exc, "colno", None)
-    if line is None:
-        match = re.search(r"at line (\d+), column (\d+)", str(exc))
-        if match:
-            line, col = int(match.group(1)), int(match.group(2))
-    return (line or 1, col or 1)

@@ -167,6 +167,9 @@ class Pipeline:
     vllm: VllmSpec
     quality: QualitySpec = QualitySpec()
     controller: ControllerSpec = ControllerSpec()
+    extends: tuple[str, ...] = ()  # the files this one extends, nearest first
+    # Where each table and key was written: "pipeline.chunk_size" -> "FILE:LINE" (defaults have none).
+    origins: dict[str, str] = attrs.field(factory=dict, eq=False, repr=False)
 
     @property
     def chunk_size(self) -> int:
@@ -174,6 +177,15 @@ class Pipeline:
 
     def stages(self, kind: str) -> tuple[StageSpec, ...]:
         return {"store": self.store, "retrieve": self.retrieve, "lookup": self.lookup}[kind]
+
+    def store_codec(self) -> tuple[str, dict[str, Any]]:
+        """The codec and the parameters set for it of the store list's first codec stage (by its
+        declared role: an encoder, giving ``payload``); ``("none", {})`` when the list has none."""
+        for spec in self.store:
+            if spec.info.role == "codec" and "payload" in spec.info.gives:
+                for codec, params in spec.info.encodings_of(spec.config)[:1]:
+                    return codec, dict(params)
+        return "none", {}
 
 
 # -- what is wrong with a pipeline file -----------------------------------------

@@ -78,7 +78,7 @@ from flowkv.quality_gate import (
 from flowkv.quality_gate import canonical_params as _canonical
 from flowkv.quality_gate import describe_codec as _describe
 from flowkv.quality_gate import model_digest as _model_digest
-from flowkv.registry import stage
+from flowkv.registry import Role, stage
 
 __all__ = [
     "RECORD_FORMAT",
@@ -99,7 +99,13 @@ _CODEC_TAG = "quality_codec"
 # -- the measurement stage ----------------------------------------------------------
 
 
-@stage("quality-compress", kinds=("store",), needs={"kv"}, gives={"payload"})
+def _measured(config: Any) -> list[tuple[str, dict[str, Any]]]:
+    return [(entry["codec"], entry.get("params", {})) for entry in map(json.loads, config.codecs or [])]
+
+
+# Lossy when it measures a lossy codec: the [quality] gate holds it to a record like `compress`.
+@stage("quality-compress", kinds=("store",), needs={"kv"}, gives={"payload"}, role=Role.CODEC,
+       lossy=lambda config: any(not get_codec(codec).lossless for codec, _ in _measured(config)), encodings=_measured)
 def quality_compress(chunks: Iterator[Chunk], *, ctx: RunContext, codecs: list[str] | None = None) -> Iterator[Chunk]:
     """Encode each chunk with the codec its request's ``quality_codec`` tag picks (an index into ``codecs``).
 

@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from flowkv.codecs import get_codec
+from flowkv.codecs import codec_names, get_codec
+from flowkv.registry import Facet, Role
 
 __all__ = [
     "RECORD_FORMAT",
@@ -47,27 +48,39 @@ def canonical_params(codec: str, params: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def codec_settings(store_stages: Sequence[Any]) -> list[tuple[str, dict[str, Any]]]:
-    """(codec, full parameters) of each ``compress`` stage of a store list, in order, without repeats.
+    """(codec, full parameters) of each codec stage of a store list, in order, without repeats.
 
-    `store_stages` are the loader's ``StageSpec``s. Stage settings other than
-    ``codec`` that are set (``level``) are the codec's parameters.
+    `store_stages` are the loader's ``StageSpec``s; a stage is a codec by its
+    declared role (`flowkv.registry.Role.CODEC`, encoding: it gives ``payload``).
     """
-    found: list[tuple[str, dict[str, Any]]] = []
-    for spec in store_stages:
-        if spec.name != "compress":
-            continue
-        settings = dict(spec.settings())
-        codec = settings.pop("codec", "none")
-        params = {k: v for k, v in settings.items() if v is not None}
-        entry = (codec, canonical_params(codec, params))
-        if entry not in found:
-            found.append(entry)
-    return found
+    return _encodings([s for s in store_stages if s.info.role is Role.CODEC and Facet.PAYLOAD in s.info.gives])
 
 
 def _lossy_codecs(store_stages: Sequence[Any]) -> list[tuple[str, dict[str, Any]]]:
-    """The entries of ``codec_settings`` whose codec is lossy: what the gate holds to a record."""
-    return [(c, p) for c, p in codec_settings(store_stages) if not get_codec(c).lossless]
+    """The encodings of the store list's lossy stages (their declared ``lossy``, whatever their
+    role or name): what the gate holds to a record. A flowkv codec that is lossless stays out even
+    there (a measurement stage may mix both)."""
+    found = _encodings([s for s in store_stages if s.info.is_lossy(s.config)])
+    return [(c, p) for c, p in found if not (_flowkv_codec(c) and get_codec(c).lossless)]
+
+
+def _encodings(specs: Sequence[Any]) -> list[tuple[str, dict[str, Any]]]:
+    """What each stage writes as records name it (`StageInfo.encodings_of`), without repeats.
+
+    A flowkv codec's parameters get their defaults filled in; a third-party
+    stage's stays as it names it (by default its own name and its settings).
+    """
+    found: list[tuple[str, dict[str, Any]]] = []
+    for spec in specs:
+        for codec, params in spec.info.encodings_of(spec.config):
+            entry = (codec, canonical_params(codec, params) if _flowkv_codec(codec) else dict(params))
+            if entry not in found:
+                found.append(entry)
+    return found
+
+
+def _flowkv_codec(name: str) -> bool:
+    return name in codec_names()
 
 
 def describe_codec(codec: str, params: Mapping[str, Any]) -> str:

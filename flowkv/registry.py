@@ -4,8 +4,9 @@ Three ways to name a stage or tier kind in a pipeline file:
 
 - a built-in short name (``gather``, ``disk``), registered below as
   name -> ``"module:attribute"`` and imported only when first used;
-- a third-party name from the ``flowkv.stages`` entry-point group of an
-  installed distribution, loaded only when used;
+- a third-party name from the ``flowkv.plugins`` entry-point group of an
+  installed distribution, loaded only when used (the older group
+  ``flowkv.stages`` still works, with a ``DeprecationWarning`` when used);
 - a one-off ``"pkg.module:name"`` reaching user code directly.
 
 Misuse of the decorators is caught where it happens, with the function's
@@ -15,15 +16,20 @@ Misuse of the decorators is caught where it happens, with the function's
 from __future__ import annotations
 
 import difflib
+import enum
 import importlib
 import importlib.metadata
 import inspect
+import os
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
 
-ENTRY_POINT_GROUP = "flowkv.stages"
+ENTRY_POINT_GROUP = "flowkv.plugins"
+# The group's first name: still read, with a DeprecationWarning when one of its names is used.
+DEPRECATED_ENTRY_POINT_GROUP = "flowkv.stages"
 PIPELINE_KINDS = ("store", "retrieve", "lookup")
 
 # Built-in stages: name -> "module:attribute", imported lazily.
@@ -51,6 +57,49 @@ BUILTIN_TIERS: dict[str, str] = {
 }
 
 
+class Role(enum.StrEnum):
+    """What a stage does in a run; the parts of flowkv that must know a stage ask this, never its name."""
+
+    CHUNKER = "chunker"  # cuts each request into fixed-size chunks (span from request)
+    SEGMENTER = "segmenter"  # cuts each request where its content says (span from request)
+    KEYER = "keyer"  # gives each chunk its key
+    LOOKUP = "lookup"  # finds which chunks the tiers hold, moving no data
+    ALLOCATOR = "allocator"  # takes room for each chunk's KV
+    TRANSFER = "transfer"  # copies KV between the engine's paged cache and chunk buffers
+    CODEC = "codec"  # encodes KV into payloads, or decodes them back
+    TIER_IO = "tier-io"  # writes chunks into tiers, or reads them out
+    FLOW = "flow"  # passes items on without looking at them (pass-through, take)
+    OTHER = "other"  # a stage that declares no role
+
+
+class Facet(enum.StrEnum):
+    """What an item carries once a stage gave it; ``needs`` and ``gives`` name these (plain strings work)."""
+
+    REQUEST = "request"  # the source item of every run
+    SPAN = "span"  # a chunk's token range
+    KEY = "key"  # the chunk's cache key
+    BUFFER = "buffer"  # a memory object allocated for the chunk's KV
+    KV = "kv"  # the chunk's KV tensor is filled
+    PAYLOAD = "payload"  # the chunk's KV encoded as bytes
+    HIT = "hit"  # a tier holds the chunk
+    LOADED = "loaded"  # the chunk's KV is written into the engine's paged cache
+    STORED = "stored"  # the chunk is written into its tiers (``put``)
+
+
+def _facets(values: Iterable[str], where: str, stage_name: str) -> frozenset[Facet]:
+    out = set()
+    for value in values:
+        try:
+            out.add(Facet(value))
+        except ValueError:
+            raise RegistryError(
+                f"stage '{stage_name}' ({where}): unknown facet '{value}'"
+                f"{did_you_mean(str(value), [f.value for f in Facet])}; facets are {[f.value for f in Facet]}",
+                kind="misuse",
+            ) from None
+    return frozenset(out)
+
+
 class RegistryError(Exception):
     """A stage or tier could not be found or registered."""
 
@@ -61,7 +110,8 @@ class RegistryError(Exception):
 
 def _where(obj: Any) -> str:
     try:
-        file = inspect.getsourcefile(obj) or "?"
+        # Resolved: in a checkout flowkv/stages is a link to the top-level stages/ (for the tools).
+        file = os.path.realpath(inspect.getsourcefile(obj) or "?")
         line = inspect.getsourcelines(obj)[1]
         return f"{file}:{line}"
     except (OSError, TypeError):
@@ -82,11 +132,38 @@ class StageInfo:
     origin: str  # "module.qualname (file:line)"
     # Layerwise pipelines run this stage once per layer (ctx.layer set), the others once.
     per_layer: bool = False
+    role: Role = Role.OTHER
+    # A chunker or keyer that lets hashes made outside the engine (vLLM's scheduler) stand for
+    # the tokens: fixed-size chunks keyed through ``services.chunk_keys``. Flow stages pass.
+    accepts_hashes: bool = False
+    # Whether the KV that comes out may differ from what went in (a lossy codec, a blend):
+    # such a stage answers to the [quality] gate. A callable decides from the stage's config.
+    lossy: bool | Callable[[Any], bool] = False
+    # What a codec (or another lossy stage) writes, as quality records name it: its config to
+    # [(codec, parameters set)]. Default: the stage's own name and its settings that are set.
+    encodings: Callable[[Any], list[tuple[str, dict[str, Any]]]] | None = None
+    # A stage declared with config= whose function takes ``config``: it gets the instance, so the
+    # settings are written once (the attrs class), not again as keyword parameters.
+    takes_config: bool = False
 
     def make_config(self, **settings: Any) -> Any:
         return self.config_cls(**settings)
 
+    def is_lossy(self, config: Any) -> bool:
+        return bool(self.lossy(config) if callable(self.lossy) else self.lossy)
+
+    def encodings_of(self, config: Any) -> list[tuple[str, dict[str, Any]]]:
+        """What this stage with this config writes, as quality records name it: its declared
+        ``encodings``, else its own name and the settings that are set."""
+        if self.encodings is not None:
+            return list(self.encodings(config))
+        settings = {k: v for k, v in attrs.asdict(config, recurse=False).items() if v is not None}
+        return [(self.name, settings)]
+
     def config_kwargs(self, config: Any) -> dict[str, Any]:
+        """What the runner passes the function: ``config=`` the instance when it takes one, else its fields."""
+        if self.takes_config:
+            return {"config": config}
         return attrs.asdict(config, recurse=False)
 
 
@@ -153,14 +230,25 @@ def stage(
     gives: Iterable[str] = (),
     config: type | None = None,
     per_layer: bool = False,
+    role: Role | str = Role.OTHER,
+    accepts_hashes: bool = False,
+    lossy: bool | Callable[[Any], bool] = False,
+    encodings: Callable[[Any], list[tuple[str, dict[str, Any]]]] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declare a generator function as a flowkv stage.
 
     ``kinds`` lists the pipelines it may appear in (store, retrieve, lookup);
-    ``needs`` and ``gives`` are the item facets it reads and adds; ``config``
-    is an attrs class of its settings, else its keyword-only parameters are.
+    ``needs`` and ``gives`` are the item facets (`Facet`) it reads and adds; ``config``
+    is an attrs class of its settings (the function then takes ``config``, the
+    instance), else its keyword-only parameters are.
     ``per_layer`` stages run once per attention layer in layerwise pipelines
     (``ctx.layer`` says which); the stages before and after them run once.
+
+    What the stage is, for the parts of flowkv that must know (`StageInfo`):
+    ``role`` (`Role`), ``accepts_hashes`` (a chunker or keyer precomputed
+    chunk hashes may stand in for), ``lossy`` (a bool, or a callable of the
+    config: the [quality] gate holds such a stage to a record) and, for a
+    codec, ``encodings`` (its config to ``[(codec, params)]``).
     """
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -183,16 +271,35 @@ def stage(
                 f"stage '{name}' ({where}): config= must be an attrs class", kind="misuse"
             )
         params = inspect.signature(func).parameters
+        takes_config = "config" in params
+        if takes_config and (config is None or params["config"].kind is not inspect.Parameter.KEYWORD_ONLY):
+            raise RegistryError(
+                f"stage '{name}' ({where}): a 'config' parameter takes the instance of config=: declare "
+                "config=AttrsClass and make 'config' keyword-only", kind="misuse"
+            )
+        try:
+            declared_role = Role(role)
+        except ValueError:
+            raise RegistryError(
+                f"stage '{name}' ({where}): unknown role '{role}'{did_you_mean(str(role), [r.value for r in Role])}; "
+                f"roles are {[r.value for r in Role]}",
+                kind="misuse",
+            ) from None
         info = StageInfo(
             name=name,
             func=func,
             kinds=frozenset(kinds),
-            needs=frozenset(needs),
-            gives=frozenset(gives),
+            needs=_facets(needs, where, name),
+            gives=_facets(gives, where, name),
             config_cls=config or _config_from_signature(func, where),
             takes_ctx="ctx" in params,
             origin=f"{func.__module__}.{func.__qualname__} ({where})",
             per_layer=per_layer,
+            role=declared_role,
+            accepts_hashes=accepts_hashes,
+            lossy=lossy,
+            encodings=encodings,
+            takes_config=takes_config,
         )
         func.__flowkv_stage__ = info  # type: ignore[attr-defined]
         return func
@@ -229,7 +336,8 @@ def tier(name: str, *, config: type) -> Callable[[type], type]:
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
     found: dict[str, importlib.metadata.EntryPoint] = {}
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+    for ep in [*importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
+               *importlib.metadata.entry_points(group=DEPRECATED_ENTRY_POINT_GROUP)]:
         if ep.name in BUILTIN_STAGES or ep.name in BUILTIN_TIERS:
             raise RegistryError(
                 f"two stages named '{ep.name}': the built-in one "
@@ -304,13 +412,28 @@ def _resolve(name: str, builtins: dict[str, str], *, what: str, decorator: str) 
         if name not in entry_points:
             known = list(builtins) + list(entry_points)
             raise RegistryError(f"unknown {what} '{name}'{did_you_mean(name, known)}", kind="unknown")
-        obj = _import_target(entry_points[name].value, name)
+        ep = entry_points[name]
+        if ep.group == DEPRECATED_ENTRY_POINT_GROUP:
+            warnings.warn(
+                f"'{name}' comes from the entry-point group '{DEPRECATED_ENTRY_POINT_GROUP}' of distribution "
+                f"{_dist_name(ep)}; register it under '{ENTRY_POINT_GROUP}' (the old group will go away)",
+                DeprecationWarning, stacklevel=3,
+            )
+        obj = _import_target(ep.value, name)
     info = getattr(obj, f"__flowkv_{decorator}__", None)
     if info is None:
         raise RegistryError(
             f"'{name}' names {obj!r}, which is not declared with @flowkv.{decorator}", kind="misuse"
         )
     return info
+
+
+def builtin_role(name: str) -> Role | None:
+    """The role a built-in stage declares (None for any other name): for traces written before
+    stage spans carried ``flowkv.stage.role``. Never imports what a trace file names."""
+    if name not in BUILTIN_STAGES:
+        return None
+    return resolve_stage(name).role
 
 
 def available() -> dict[str, list[tuple[str, str]]]:

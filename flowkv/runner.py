@@ -53,16 +53,18 @@ class BoundStage:
     takes_ctx: bool
     location: str  # "FILE:LINE" of its TOML table
     index: int
+    role: str | None = None  # its declared role (flowkv.registry.Role), recorded on its spans
 
     @classmethod
     def from_spec(cls, spec: StageSpec) -> BoundStage:
         return cls(
             name=spec.name,
             func=spec.info.func,
-            settings=spec.settings(),
+            settings=spec.info.config_kwargs(spec.config),
             takes_ctx=spec.info.takes_ctx,
             location=spec.location.short,
             index=spec.index,
+            role=str(spec.info.role),
         )
 
     def start(self, upstream: Iterator[Any], ctx: RunContext) -> Iterator[Any]:
@@ -267,6 +269,8 @@ class _Step:
             span.set_attribute("flowkv.stage", state.bound.name)
             span.set_attribute("flowkv.stage.index", state.bound.index)
             span.set_attribute("flowkv.stage.source", state.bound.location)
+            if state.bound.role is not None:
+                span.set_attribute("flowkv.stage.role", state.bound.role)
             span.set_attribute("flowkv.kind", state.kind)
             for key in ("request_id", "layer"):
                 if state.attributes.get(key) is not None:

@@ -6,10 +6,11 @@ from collections.abc import Iterator
 
 from flowkv.items import Chunk, Request, RunContext, Services
 from flowkv.keys import chunk_spans
-from flowkv.registry import stage
+from flowkv.registry import Role, stage
 
 
-@stage("tokenize", kinds=("store", "retrieve", "lookup"), needs={"request"}, gives={"span"})
+@stage("tokenize", kinds=("store", "retrieve", "lookup"), needs={"request"}, gives={"span"},
+       role=Role.CHUNKER, accepts_hashes=True)
 def tokenize(requests: Iterator[Request], *, ctx: RunContext) -> Iterator[Chunk]:
     """Cut each request's tokens into chunks of the pipeline's ``chunk_size``.
 
@@ -34,7 +35,8 @@ def tokenize(requests: Iterator[Request], *, ctx: RunContext) -> Iterator[Chunk]
         ctx.record(chunks=len(spans))
 
 
-@stage("chunk-hash", kinds=("store", "retrieve", "lookup"), needs={"span"}, gives={"key"})
+@stage("chunk-hash", kinds=("store", "retrieve", "lookup"), needs={"span"}, gives={"key"},
+       role=Role.KEYER, accepts_hashes=True)
 def chunk_hash(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
     """Give every chunk its key: the chained hash of its tokens under the request's key prefix.
 

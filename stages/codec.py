@@ -10,7 +10,7 @@ import attrs
 from flowkv import payload as payloads
 from flowkv.codecs import prefix_window
 from flowkv.items import Chunk, RunContext
-from flowkv.registry import stage
+from flowkv.registry import Role, stage
 
 
 @attrs.frozen(kw_only=True)
@@ -36,20 +36,15 @@ class CompressConfig:
         codecs.get_codec(self.codec).resolve_params(**self.params())
 
 
-@stage("compress", kinds=("store",), needs={"kv"}, gives={"payload"}, config=CompressConfig)
-def compress(
-    chunks: Iterator[Chunk],
-    *,
-    ctx: RunContext,
-    codec: str = "none",
-    level: int | None = None,
-    acceleration: int | None = None,
-    group_size: int | None = None,
-    key_group_size: int | None = None,
-    scale_dtype: str | None = None,
-    scaling: str | None = None,
-    window: int | None = None,
-) -> Iterator[Chunk]:
+def _lossy(config: CompressConfig) -> bool:
+    from flowkv import codecs
+
+    return not codecs.get_codec(config.codec).lossless
+
+
+@stage("compress", kinds=("store",), needs={"kv"}, gives={"payload"}, config=CompressConfig, role=Role.CODEC,
+       lossy=_lossy, encodings=lambda config: [(config.codec, config.params())])
+def compress(chunks: Iterator[Chunk], *, ctx: RunContext, config: CompressConfig) -> Iterator[Chunk]:
     """Encode each chunk's KV with ``codec`` (a header with a checksum, then the body).
 
     Codecs: ``none`` (the chunk stays raw; byte tiers get a plain payload),
@@ -67,14 +62,13 @@ def compress(
         codec = "zstd-shuffle"
         level = 1
     """
-    params = CompressConfig(codec=codec, level=level, acceleration=acceleration, group_size=group_size,
-                            key_group_size=key_group_size, scale_dtype=scale_dtype, scaling=scaling,
-                            window=window).params()
+    params = config.params()
     for chunk in chunks:
-        if codec != "none":
-            if window:
-                params["window"] = prefix_window(window, chunk.start, chunk.end, stored_end(ctx.services, chunk.request))
-            chunk.payload = payloads.encode(chunk.kv, codec, **params)
+        if config.codec != "none":
+            if config.window:
+                params["window"] = prefix_window(config.window, chunk.start, chunk.end,
+                                                 stored_end(ctx.services, chunk.request))
+            chunk.payload = payloads.encode(chunk.kv, config.codec, **params)
             ctx.record(bytes=len(chunk.payload))
         yield chunk
 
@@ -86,7 +80,7 @@ def stored_end(services: Any, request: Any) -> int:
     return request.num_tokens - request.num_tokens % services.chunk_size
 
 
-@stage("decompress", kinds=("retrieve",), needs={"payload"}, gives={"kv"})
+@stage("decompress", kinds=("retrieve",), needs={"payload"}, gives={"kv"}, role=Role.CODEC)
 def decompress(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
     """Decode each encoded chunk, checking its header and checksum; raw chunks pass.
 

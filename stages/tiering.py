@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from flowkv.items import Chunk, RunContext
-from flowkv.registry import stage
+from flowkv.registry import Role, stage
 from flowkv.tiers.chain import Entry
 
 
-@stage("allocate", kinds=("store",), needs={"key"}, gives={"buffer"})
+@stage("allocate", kinds=("store",), needs={"key"}, gives={"buffer"}, role=Role.ALLOCATOR)
 def allocate(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
     """Give each chunk to store room in memory for its raw KV; stop the run when memory is full.
 
@@ -59,7 +59,7 @@ def allocate(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
         yield chunk
 
 
-@stage("put", kinds=("store",), needs={"kv"}, gives={"stored"})
+@stage("put", kinds=("store",), needs={"kv"}, gives={"stored"}, role=Role.TIER_IO)
 def put(chunks: Iterator[Chunk], *, ctx: RunContext, tiers: list[str] | None = None) -> Iterator[Chunk]:
     """Store each chunk in the named tiers (default: all, in declaration order).
 
@@ -98,7 +98,7 @@ def put(chunks: Iterator[Chunk], *, ctx: RunContext, tiers: list[str] | None = N
             services.count(f"tier.{name}.written_bytes", nbytes)
 
 
-@stage("lookup", kinds=("retrieve", "lookup"), needs={"key"}, gives={"hit"})
+@stage("lookup", kinds=("retrieve", "lookup"), needs={"key"}, gives={"hit"}, role=Role.LOOKUP)
 def lookup(
     chunks: Iterator[Chunk],
     *,
@@ -148,7 +148,7 @@ def lookup(
     yield from hit
 
 
-@stage("get", kinds=("retrieve",), needs={"hit"}, gives={"kv", "payload"})
+@stage("get", kinds=("retrieve",), needs={"hit"}, gives={"kv", "payload"}, role=Role.TIER_IO)
 def get(chunks: Iterator[Chunk], *, ctx: RunContext, promote: bool = True) -> Iterator[Chunk]:
     """Read each hit chunk's data from the tier that holds it.
 

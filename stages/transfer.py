@@ -6,10 +6,10 @@ from collections.abc import Iterator
 
 from flowkv import kernels
 from flowkv.items import Chunk, RunContext
-from flowkv.registry import stage
+from flowkv.registry import Role, stage
 
 
-@stage("gather", kinds=("store",), needs={"buffer"}, gives={"kv"}, per_layer=True)
+@stage("gather", kinds=("store",), needs={"buffer"}, gives={"kv"}, per_layer=True, role=Role.TRANSFER)
 def gather(chunks: Iterator[Chunk], *, ctx: RunContext, impl: str | None = None) -> Iterator[Chunk]:
     """Copy each chunk's KV out of the paged cache (all layers, one kernel call) into its memory object.
 
@@ -36,7 +36,8 @@ def gather(chunks: Iterator[Chunk], *, ctx: RunContext, impl: str | None = None)
         yield chunk
 
 
-@stage("scatter", kinds=("retrieve",), needs={"kv"}, gives={"loaded"}, per_layer=True)
+@stage("scatter", kinds=("retrieve",), needs={"kv"}, gives={"loaded"}, per_layer=True,
+       role=Role.TRANSFER)
 def scatter(chunks: Iterator[Chunk], *, ctx: RunContext, impl: str | None = None) -> Iterator[Chunk]:
     """Write each chunk's KV into the paged cache and mark its tokens in the request's ret_mask.
 

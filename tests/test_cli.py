@@ -163,7 +163,7 @@ def test_list(capsys):
     assert main(["pipeline", "list"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("built-in pipelines:\n")
-    for heading in ("built-in stages:", "built-in tier kinds:", "installed (entry point group 'flowkv.stages'):"):
+    for heading in ("built-in stages:", "built-in tier kinds:", "installed (entry point group 'flowkv.plugins'; 'flowkv.stages' is deprecated):"):
         assert heading in out
     assert re.search(r"^  local-cpu +\S+local-cpu\.toml$", out, re.M)
     assert re.search(r"^  gather +flowkv\.stages\.transfer:gather$", out, re.M)

@@ -310,30 +310,6 @@ def test_the_failed_range_runs_from_the_earliest_failed_chunk_to_the_end_of_the_
     assert request.failed_range == (CHUNK, 4 * CHUNK)
 
 
-@flowkv.stage("old-style-evict", kinds=("retrieve",), needs={"hit"}, gives={"hit"})
-def old_style_evict(chunks, *, ctx):
-    """A stage written against ``ctx.engine`` before ``ctx.services``."""
-    for chunk in chunks:
-        if chunk.index == 1:
-            ctx.engine.memory.remove(chunk.key_str)
-        yield chunk
-
-
-def test_stages_that_still_use_ctx_engine_keep_working_with_a_warning(tmp_path):
-    text = (flowkv.pipeline.resolve_source("local-cpu").read_text()
-            .replace('use = "lookup"\n', f'use = "lookup"\n\n[[retrieve.stages]]\nuse = "{__name__}:old_style_evict"\n'))
-    assert "old_style_evict" in text
-    path = tmp_path / "old.toml"
-    path.write_text(text)
-    g = geometry()
-    e = engine(str(path))
-    src, dst, ids, slots = request_kv(g)
-    e.store(ids, kv_caches=src, slot_mapping=slots)
-    with pytest.warns(DeprecationWarning, match="ctx.services"):
-        result = e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots))
-    assert result.loaded_to == CHUNK and result.failed_range == (CHUNK, 4 * CHUNK)
-
-
 @pytest.mark.parametrize(
     ("make_mask", "message"),
     [

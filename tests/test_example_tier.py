@@ -3,7 +3,7 @@
 pip builds the example's wheel and installs it into a temporary folder (never
 the project's venv); the tests put that folder on ``sys.path`` or
 ``PYTHONPATH``, so flowkv finds ``kind = "sqlite"`` through the real
-``flowkv.stages`` entry point of an installed distribution, and runs the
+``flowkv.plugins`` entry point of an installed distribution, and runs the
 example's own pipeline file through the cache engine.
 """
 
@@ -92,6 +92,14 @@ def test_entry_point_names_the_tier(installed):
     assert spec.info.cls.__module__ == "flowkv_sqlite_tier"
     assert str(installed) in spec.info.origin
     assert spec.config.capacity == 1 << 20
+
+
+def test_the_example_pipeline_extends_local_cpu_to_what_it_was_as_a_whole_copy(installed):
+    import json
+
+    from pipeline_snapshots import effective, read_snapshot
+
+    assert json.loads(json.dumps(effective(load_pipeline(PIPELINE)))) == read_snapshot("cpu-sqlite")
 
 
 def test_round_trip_through_the_example_pipeline(installed, tmp_path):

@@ -4,8 +4,10 @@ The contracts live in ``pyproject.toml`` (``[tool.importlinter]``). Both
 checks read the package as it is installed: ``flowkv.stages`` and
 ``flowkv.kernels`` live in ``stages/`` and ``kernels/`` of the checkout (see
 ``[tool.setuptools] package-dir``), so the checks run over a folder of
-symbolic links that puts them inside ``flowkv/``, as a wheel does. To run the
-contracts by hand, run this file: ``python -m pytest tests/test_layering.py``.
+symbolic links that puts them inside ``flowkv/``, as a wheel does. The
+checkout holds the same links (``flowkv/stages``, ``flowkv/kernels``,
+``flowkv/pipelines``), so ``lint-imports`` run bare from the checkout sees the
+package as installed too.
 """
 
 from __future__ import annotations
@@ -54,6 +56,17 @@ def test_import_linter_contracts_are_kept(installed_layout):
     )
     result = _run_in(installed_layout, str(lint_imports), str(PYPROJECT), "--no-cache")
     assert result.returncode == 0, f"lint-imports found broken contracts:\n{result.stdout}\n{result.stderr}"
+    assert "0 broken" in result.stdout
+
+
+def test_lint_imports_passes_run_bare_from_the_checkout():
+    """As a developer runs it: ``lint-imports`` in the checkout, no arguments (the README's set-up)."""
+    lint_imports = Path(sys.executable).parent / "lint-imports"
+    for name in ("stages", "kernels", "pipelines"):
+        link = ROOT / "flowkv" / name
+        assert link.is_symlink() and link.resolve() == (ROOT / name).resolve(), f"{link} must link to ../{name}"
+    result = _run_in(ROOT, str(lint_imports))
+    assert result.returncode == 0, f"lint-imports from the checkout:\n{result.stdout}\n{result.stderr}"
     assert "0 broken" in result.stdout
 
 

@@ -34,12 +34,13 @@ FIXTURE = Path(__file__).parent / "fixtures" / "thirdparty_stage"
 PACKAGE = "flowkv_thirdparty_demo"
 
 
-def add_distribution(site: Path, dist: str, entry_points: dict[str, str], *, with_package: bool = True) -> None:
+def add_distribution(site: Path, dist: str, entry_points: dict[str, str], *, with_package: bool = True,
+                     group: str = ENTRY_POINT_GROUP) -> None:
     """Lay out an installed distribution by hand: a dist-info with entry points (+ the package)."""
     info = site / f"{dist.replace('-', '_')}-0.1.0.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1.0\n")
-    lines = [f"[{ENTRY_POINT_GROUP}]"] + [f"{name} = {target}" for name, target in entry_points.items()]
+    lines = [f"[{group}]"] + [f"{name} = {target}" for name, target in entry_points.items()]
     (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
     if with_package:
         shutil.copytree(FIXTURE / PACKAGE, site / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
@@ -129,6 +130,15 @@ def test_entry_point_stage_is_found_and_runs(site):
     assert Runner(pipeline.store, kind="store", pipeline="t").run([1, 2]) == [("ours", 1), ("ours", 2)]
     installed = dict(available()["installed"])
     assert installed["tag-items"] == f"'flowkv-thirdparty-demo': {PACKAGE}:tag_items"
+
+
+def test_the_old_entry_point_group_still_works_with_a_deprecation_warning(site):
+    add_distribution(site, "flowkv-old-demo", {"tag-items": f"{PACKAGE}:tag_items"}, group="flowkv.stages")
+    with pytest.warns(DeprecationWarning, match="'tag-items' comes from the entry-point group 'flowkv.stages' of "
+                                                "distribution 'flowkv-old-demo'; register it under 'flowkv.plugins'"):
+        info = resolve_stage("tag-items")
+    assert info.name == "tag-items"
+    assert dict(available()["installed"])["tag-items"] == f"'flowkv-old-demo': {PACKAGE}:tag_items"
 
 
 def test_entry_points_are_loaded_only_when_used(site):

@@ -258,3 +258,19 @@ def test_a_hit_below_memory_loads_asynchronously_and_memory_hits_do_not(tmp_path
     assert always.get_num_new_matched_tokens(vllm_request("memory-2", warm), 0) == (4 * CHUNK, True)
     off = scheduler(engine, async_loads="off")
     assert off.get_num_new_matched_tokens(vllm_request("disk-2", cold), 0) == (4 * CHUNK, False)
+
+
+@pytest.mark.parametrize("keyer, ships_hashes", [("house_keys", True), ("content_keys", False)])
+def test_a_third_party_keyer_gets_hashes_shipped_only_when_it_declares_it_accepts_them(tmp_path, keyer, ships_hashes):
+    # The scheduler decides by what the keyer declares (flowkv.registry.StageInfo.accepts_hashes), not by its name.
+    from test_stage_roles import keyed_with
+
+    path = tmp_path / "house.toml"
+    path.write_text(keyed_with(keyer))
+    engine = worker_engine(pipeline=str(path))
+    prompt = tokens(6 * CHUNK, seed=7)
+    store(engine, prompt[: 3 * CHUNK])
+    connector = scheduler(engine, pipeline=str(path))
+    assert connector.get_num_new_matched_tokens(vllm_request("house", prompt), 0) == (3 * CHUNK, False)
+    [(header, body_bytes)] = connector._lookup_client.lookups
+    assert body_bytes == (6 * 32 if ships_hashes else len(prompt) * 8)

@@ -48,7 +48,8 @@ def boundaries(tokens: list[int], separator: list[int], max_tokens: int) -> list
     return ends
 
 
-@flowkv.stage("segment", kinds=("store", "retrieve", "lookup"), needs={"request"}, gives={"span"})
+@flowkv.stage("segment", kinds=("store", "retrieve", "lookup"), needs={"request"}, gives={"span"},
+              role=flowkv.Role.SEGMENTER)
 def segment(
     requests: Iterator[Request],
     *,

@@ -80,14 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _codec_of(pipeline: Any) -> tuple[str, dict[str, Any]]:
-    """The codec and the parameters set for it of the pipeline's first compress stage
+    """The codec and the parameters set for it of the pipeline's first codec stage
     (``"none"`` when it has none), so the hand-fused loop encodes exactly alike."""
-    for spec in pipeline.store:
-        if spec.name == "compress":
-            settings = spec.settings()
-            params = {k: v for k, v in settings.items() if k != "codec" and v is not None}
-            return settings.get("codec", "none"), params
-    return "none", {}
+    return pipeline.store_codec()
 
 
 class _FusedLoop:

@@ -661,12 +661,16 @@ def _leading(held: list[bool]) -> int:
 
 
 def _codec_of(pipeline: Pipeline | None) -> tuple[str, dict[str, Any]]:
-    """The codec (and its parameters) of the server pipeline's first ``compress`` stage."""
-    for spec in pipeline.store if pipeline is not None else ():
-        if spec.name == "compress":
-            settings = spec.settings()
-            return settings.get("codec", "none"), {k: v for k, v in settings.items() if k != "codec" and v is not None}
-    return "none", {}
+    """The codec (and its parameters) of the server pipeline's first codec stage; the server encodes with
+    flowkv's own codecs only, so a third-party codec stage's chunks go to the lower tiers raw (logged)."""
+    from flowkv.codecs import codec_names
+
+    codec, params = pipeline.store_codec() if pipeline is not None else ("none", {})
+    if codec not in codec_names():
+        log.warning("flowkv server: codec %r of %s is not one of flowkv's; lower tiers get raw chunks",
+                    codec, pipeline.source if pipeline is not None else "the pipeline")
+        return "none", {}
+    return codec, params
 
 
 def _tracer(spec: TelemetrySpec) -> Any:

@@ -16,11 +16,10 @@ Byte tiers run as ``async`` methods on the engine's anyio portal thread
 
 from typing import Any
 
-from flowkv.tiers.base import ByteTier, ObjectTier, Tier, TierObject, verify_payload
+from flowkv.tiers.base import ObjectTier, Tier, TierObject, verify_payload
 from flowkv.tiers.health import GuardedTier, TierHealth
 
 __all__ = [
-    "ByteTier",
     "DiskTier",
     "DiskTierConfig",
     "GuardedTier",

@@ -60,7 +60,7 @@ import torch
 
 from flowkv import payload
 
-__all__ = ["ByteTier", "ObjectTier", "Tier", "TierObject", "verify_payload"]
+__all__ = ["ObjectTier", "Tier", "TierObject", "verify_payload"]
 
 
 class Tier(abc.ABC):
@@ -110,10 +110,6 @@ class Tier(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={getattr(self, 'name', '?')!r})"
-
-
-#: The byte tier under its sort's name (``Tier`` is what user tiers subclass).
-ByteTier = Tier
 
 
 class TierObject(Protocol):

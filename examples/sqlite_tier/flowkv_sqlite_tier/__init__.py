@@ -1,7 +1,7 @@
 """A flowkv storage tier in one SQLite file: the example of a tier written outside flowkv.
 
 Installed, this distribution names the tier kind ``sqlite`` through the
-``flowkv.stages`` entry-point group, so a pipeline file says::
+``flowkv.plugins`` entry-point group, so a pipeline file says::
 
     [tiers.sqlite]
     kind = "sqlite"

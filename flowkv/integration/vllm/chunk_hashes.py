@@ -39,29 +39,36 @@ the connector ships tokens, as the engine hashes them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from flowkv.keys import chain_hashes, default_hash_function_name, get_hash_function
+from flowkv.registry import Facet
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.request import Request
 
-    from flowkv.pipeline_model import Pipeline
+    from flowkv.pipeline_model import Pipeline, StageSpec
 
 logger = logging.getLogger("flowkv.integration")
 
 __all__ = ["ChunkChain", "VllmBlockHashes", "keyed_pipeline"]
 
-# The stages a list must start with for hashes made outside the engine to key its chunks.
-_FIXED_CHUNKING = ("tokenize", "chunk-hash")
-
-
 def keyed_pipeline(pipeline: Pipeline) -> bool:
-    """Whether every stage list cuts fixed-size chunks and keys them by chained hash
-    (``tokenize`` then ``chunk-hash``), so a caller's hashes can stand for the tokens."""
-    return all(tuple(spec.name for spec in pipeline.stages(kind)[:2]) == _FIXED_CHUNKING
-               for kind in ("store", "retrieve", "lookup"))
+    """Whether every stage list keys fixed-size chunks by chained hash, so a caller's hashes can
+    stand for the tokens: each list has a keyer (a stage that gives ``key``), and it and every
+    stage before it declares ``accepts_hashes`` (``tokenize``, ``chunk-hash``; never a segmenter)."""
+    return all(_keyed_list(pipeline.stages(kind)) for kind in ("store", "retrieve", "lookup"))
+
+
+def _keyed_list(specs: Sequence[StageSpec]) -> bool:
+    for spec in specs:
+        if not spec.info.accepts_hashes:
+            return False
+        if Facet.KEY in spec.info.gives:
+            return True
+    return False
 
 
 def _hash_name(pipeline: Pipeline) -> str:
