@@ -62,6 +62,9 @@ __all__ = ["NodeServer", "ServerOptions"]
 log = logging.getLogger("flowkv.server")
 
 _MAX_KEY = 4096  # characters: keys are short printable strings
+_MAX_ITEMS = 1 << 16  # keys, sizes, items or handles in one request (a 16M-token prompt in 256-token chunks)
+_MAX_DIMS = 8  # dims of a chunk's shape (flowkv's have 5 or 6)
+_MAX_SECONDS = 1e9  # the largest pin or wait a client may ask for before it is clamped
 _EVENTS_KEPT = 65536
 
 
@@ -153,6 +156,7 @@ class NodeServer:
         self._writers: set[asyncio.StreamWriter] = set()
         self._stopping: asyncio.Event | None = None
         self.metrics_url: str | None = None
+        self._malformed_logged = False
 
     # -- the segment -----------------------------------------------------------
 
@@ -280,6 +284,8 @@ class NodeServer:
             for owner in owners:
                 self.leases.reclaimed["pins"] += self.memory.release_owner(owner)
                 self.storage.release(owner)
+            # Owners whose pins all ran out (a client that never released them) leave the table too.
+            self.leases.prune_owners(self.storage.holds_pins)
             if handles or owners:
                 log.info("flowkv server: reclaimed %d handles and the pins of %d owners of clients gone "
                          "over %.1f s", len(handles), len(owners), self.options.lease_timeout_s)
@@ -299,9 +305,13 @@ class NodeServer:
                     await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client hung up (exited, killed, or gave up on a call)
-        except ValueError as exc:
-            log.warning("flowkv server: dropping client %s (session %d): unreadable message: %s",
-                        session.client, session.id, exc)
+        except ValueError as exc:  # not a frame, not strict JSON, or not an object: the client is dropped
+            self.counters.count("malformed_frames")
+            # One line the first time, no traceback: a client sending garbage in a loop must not fill the log.
+            level = logging.DEBUG if self._malformed_logged else logging.WARNING
+            self._malformed_logged = True
+            log.log(level, "flowkv server: dropping client %s (session %d): unreadable message: %.200s "
+                    "(further ones are counted in requests.malformed_frames)", session.client, session.id, exc)
         finally:
             self._writers.discard(writer)
             self.leases.close(session)
@@ -316,7 +326,7 @@ class NodeServer:
                 raise RequestError(f"unknown op {op!r}")
             reply = await handler(self, session, message, span)
             return {"ok": True, **reply}
-        except (RequestError, KeyError, TypeError, ValueError) as exc:
+        except (RequestError, KeyError, TypeError, ValueError, ArithmeticError) as exc:
             self.counters.count("request_errors")
             if span is not None:
                 span.set_attribute("flowkv.error", f"{type(exc).__name__}: {exc}")
@@ -344,8 +354,9 @@ class NodeServer:
 
     async def _hello(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
         session.client = _text(message.get("client"), "client")
-        if session.pid is None and isinstance(message.get("pid"), int):
-            session.pid = message["pid"]
+        pid = message.get("pid")
+        if session.pid is None and pid is not None:
+            session.pid = _integer(message, "pid", low=1, high=1 << 31)
         self.counters.count("hellos")
         return {"version": wire.PROTOCOL_VERSION, "server": self.server_id, "name": self.options.name,
                 "segment": str(self.segment_path),
@@ -356,7 +367,7 @@ class NodeServer:
     async def _lookup(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
         keys = _keys(message)
         owner = message.get("pin")
-        pin_s = min(float(message.get("pin_s", self.options.max_pin_s)), self.options.max_pin_s)
+        pin_s = self._pin_s(message)
         owner_name = self.leases.owner(session, _text(owner, "pin")) if owner is not None else None
         if self.lower:
             held = await asyncio.get_running_loop().run_in_executor(self._pool, self._find, keys, owner_name, pin_s)
@@ -388,8 +399,15 @@ class NodeServer:
 
     async def _pin(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
         owner = self.leases.owner(session, _text(message.get("owner"), "owner"))
-        pin_s = min(float(message.get("pin_s", self.options.max_pin_s)), self.options.max_pin_s)
+        pin_s = self._pin_s(message)
         return {"held": self.memory.pin_many(_keys(message), owner, timeout_s=pin_s)}
+
+    def _pin_s(self, message: dict[str, Any]) -> float:
+        """A pin's length: positive, clamped to ``--max-pin``."""
+        pin_s = _number(message, "pin_s", self.options.max_pin_s, low=0.0, high=_MAX_SECONDS)
+        if not pin_s > 0:
+            raise RequestError("'pin_s' must be positive")
+        return min(pin_s, self.options.max_pin_s)
 
     async def _unpin(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
         owner = self.leases.owner(session, _text(message.get("owner"), "owner"))
@@ -398,21 +416,34 @@ class NodeServer:
         return {}
 
     async def _release_owner(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
-        self.storage.release(self.leases.owner(session, _text(message.get("owner"), "owner")))
+        owner = self.leases.owner(session, _text(message.get("owner"), "owner"))
+        self.storage.release(owner)
+        self.leases.forget_owner(session, owner)  # its pins are gone: the table does not grow per request
         return {}
 
     async def _alloc(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
         sizes = message.get("sizes")
-        if not isinstance(sizes, list) or not all(isinstance(n, int) and 0 <= n for n in sizes):
-            raise RequestError("alloc needs 'sizes': a list of byte counts")
+        slab = self.memory.arena.slab_bytes
+        if not isinstance(sizes, list) or len(sizes) > _MAX_ITEMS or not all(
+                _is_int(n) and 0 < n <= slab for n in sizes):
+            raise RequestError(f"alloc's 'sizes' must be at most {_MAX_ITEMS} byte counts, each from 1 to the "
+                               f"{slab} B of the largest object")
         base = self.buffer.data_ptr()
-        objs = []
-        for nbytes in sizes:
-            obj = self.memory.allocate_bytes(nbytes)  # evicts; never waits; ValueError over a slab
-            if obj is None:
-                self.counters.count("alloc_shortfalls")
-                break
-            objs.append([self.leases.add(session, "alloc", obj), obj.tensor.data_ptr() - base])
+        objs: list[list[int]] = []
+        try:
+            for nbytes in sizes:
+                obj = self.memory.allocate_bytes(nbytes)  # evicts; never waits
+                if obj is None:
+                    self.counters.count("alloc_shortfalls")
+                    break
+                try:
+                    objs.append([self.leases.add(session, "alloc", obj), obj.tensor.data_ptr() - base])
+                except BaseException:
+                    obj.ref_down()
+                    raise
+        except BaseException:  # a room the client never hears of would stay held until it hangs up
+            self._drop_handles(session, [handle for handle, _ in objs])
+            raise
         self.counters.count("allocs")
         self.counters.count("alloc_chunks", len(objs))
         if span is not None:
@@ -421,37 +452,35 @@ class NodeServer:
 
     async def _commit(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
         items = message.get("items")
-        if not isinstance(items, list):
-            raise RequestError("commit needs 'items': [handle, key, nbytes, meta] each")
+        if not isinstance(items, list) or len(items) > _MAX_ITEMS:
+            raise RequestError(f"commit's 'items' must be at most {_MAX_ITEMS} of [handle, key, nbytes, meta]")
         admitted = []
         for item in items:
-            try:
-                handle_id, key, nbytes, meta = item
-            except (TypeError, ValueError):
-                handle_id = key = nbytes = meta = None
-            handle = self.leases.take(session, handle_id, "alloc") if isinstance(handle_id, int) else None
+            handle_id = item[0] if isinstance(item, list) and len(item) == 4 else None
+            handle = self.leases.take(session, handle_id, "alloc") if _is_int(handle_id) else None
             if handle is None:
                 self.counters.count("commit_unknown_handles")
                 admitted.append(False)
                 continue
+            _, key, nbytes, meta = item
             obj = handle.obj
+            taken = False
             try:
                 _describe(obj, _text(key, "key"), nbytes, meta)
-            except (ValueError, KeyError, TypeError) as exc:
-                obj.ref_down()
+                taken = self.storage.put("memory", key, obj=obj) > 0
+                if taken and self.lower:
+                    obj.ref_up()  # the writer's, until the chunk is encoded for the lower tiers
+                    try:
+                        self._to_lower.put_nowait((key, obj))
+                    except queue.Full:
+                        obj.ref_down()
+                        self.counters.count("lower_dropped")
+            except (RequestError, ValueError, KeyError, TypeError, ArithmeticError) as exc:
                 self.counters.count("commit_refused")
-                log.warning("flowkv server: refusing a commit of %s from %s: %s", key, session.client, exc)
-                admitted.append(False)
-                continue
-            taken = self.storage.put("memory", key, obj=obj) > 0
-            if taken and self.lower:
-                obj.ref_up()  # the writer's, until the chunk is encoded for the lower tiers
-                try:
-                    self._to_lower.put_nowait((key, obj))
-                except queue.Full:
-                    obj.ref_down()
-                    self.counters.count("lower_dropped")
-            obj.ref_down()  # the allocation's: the index holds it now (or it goes back when not taken)
+                log.warning("flowkv server: refusing a commit of %.80r from %s: %s", key, session.client, exc)
+            finally:
+                # The allocation's reference, whatever happened: the index holds the room now, or it goes back.
+                obj.ref_down()
             admitted.append(taken)
         took = sum(admitted)
         self.counters.count("commits")
@@ -464,22 +493,30 @@ class NodeServer:
     async def _get(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
         keys = _keys(message)
         base = self.buffer.data_ptr()
-        found: list[Any] = [self.memory.get(key) for key in keys]
-        missing = [i for i, obj in enumerate(found) if obj is None]
-        if missing and self.lower:
-            read = await asyncio.get_running_loop().run_in_executor(
-                self._pool, lambda: [self.storage.read(Entry(keys[i], None, None, None), promote=True)
-                                     for i in missing])
-            for i, hit in zip(missing, read):
-                if hit is not None and hit.obj is not None:
-                    found[i] = hit.obj
-        objs = []
-        for obj in found:
-            if obj is None:
-                objs.append(None)
-                continue
-            handle = self.leases.add(session, "read", obj)
-            objs.append([handle, obj.tensor.data_ptr() - base, obj.nbytes, _meta(obj)])
+        found: list[Any] = [self.memory.get(key) for key in keys]  # each with a reference for this request
+        objs: list[Any] = []
+        try:
+            missing = [i for i, obj in enumerate(found) if obj is None]
+            if missing and self.lower:
+                read = await asyncio.get_running_loop().run_in_executor(
+                    self._pool, lambda: [self.storage.read(Entry(keys[i], None, None, None), promote=True)
+                                         for i in missing])
+                for i, hit in zip(missing, read):
+                    if hit is not None and hit.obj is not None:
+                        found[i] = hit.obj
+            for obj in found:
+                if obj is None:
+                    objs.append(None)
+                    continue
+                reply = [0, obj.tensor.data_ptr() - base, obj.nbytes, _meta(obj)]
+                reply[0] = self.leases.add(session, "read", obj)
+                objs.append(reply)
+        except BaseException:  # references nobody will release: dropped here, not at the lease timeout
+            self._drop_handles(session, [o[0] for o in objs if o is not None])
+            for obj in found[len(objs):]:
+                if obj is not None:
+                    obj.ref_down()
+            raise
         hits = sum(o is not None for o in objs)
         self.counters.count("gets")
         self.counters.count("get_hits", hits)
@@ -490,14 +527,17 @@ class NodeServer:
 
     async def _release(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
         handles = message.get("handles")
-        if not isinstance(handles, list):
-            raise RequestError("release needs 'handles'")
+        if not isinstance(handles, list) or len(handles) > _MAX_ITEMS or not all(_is_int(h) for h in handles):
+            raise RequestError(f"release's 'handles' must be at most {_MAX_ITEMS} handle numbers")
+        self._drop_handles(session, handles)
+        self.counters.count("releases", len(handles))
+        return {}
+
+    def _drop_handles(self, session: Session, handles: list[int]) -> None:
         for handle_id in handles:
             handle = self.leases.take(session, handle_id)
             if handle is not None:
                 handle.obj.ref_down()
-        self.counters.count("releases", len(handles))
-        return {}
 
     async def _remove(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
         return {"removed": [self.storage.remove(key) for key in _keys(message)]}
@@ -507,9 +547,10 @@ class NodeServer:
 
     async def _events_since(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
         """Tier events after ``since`` (at most ``max``), waiting up to ``wait_s`` for one."""
-        since = int(message.get("since", 0))
-        limit = max(1, min(int(message.get("max", 4096)), _EVENTS_KEPT))
-        wait_s = min(float(message.get("wait_s", 0.0)), 30.0)
+        since = _integer(message, "since", 0, low=0, high=1 << 63)
+        limit = _integer(message, "max", 4096, low=1, high=1 << 63)
+        limit = min(limit, _EVENTS_KEPT)
+        wait_s = min(_number(message, "wait_s", 0.0, low=0.0, high=_MAX_SECONDS), 30.0)
         if wait_s > 0 and self._event_seq <= since:
             assert self._new_events is not None
             self._new_events.clear()
@@ -611,22 +652,30 @@ def _free_bytes(folder: Path) -> int | None:
 
 def _describe(obj: Any, key: str, nbytes: Any, meta: Any) -> None:
     """Check a commit's description against its room and put it on the object (``meta``)."""
-    if not isinstance(meta, dict) or not isinstance(nbytes, int):
+    if not isinstance(meta, dict) or not _is_int(nbytes):
         raise ValueError("meta must be an object and nbytes an int")
     if len(key) > _MAX_KEY:
         raise ValueError(f"key of {len(key)} characters")
     if "codec" in meta:
-        encoded_len = int(meta["encoded_len"])
-        if not 0 < encoded_len <= obj.nbytes or encoded_len != nbytes:
-            raise ValueError(f"encoded_len {encoded_len} does not fit a room of {obj.nbytes} B")
+        encoded_len, codec = meta["encoded_len"], meta["codec"]
+        if not _is_int(encoded_len) or not 0 < encoded_len <= obj.nbytes or encoded_len != nbytes:
+            raise ValueError(f"encoded_len {encoded_len!r:.40} does not fit a room of {obj.nbytes} B")
+        if not isinstance(codec, str) or not 0 < len(codec) <= 64:
+            raise ValueError("codec must be a short name")
         if encoded_len < obj.nbytes:
             obj.shrink_to_bytes(encoded_len)  # the rest of the pages go back
         obj.meta.clear()
-        obj.meta.update(codec=str(meta["codec"]), encoded_len=encoded_len)
+        obj.meta.update(codec=codec, encoded_len=encoded_len)
         return
-    shape = [int(d) for d in meta["shape"]]
+    shape, order = meta["shape"], meta.get("order")
+    # Every dim at least 1: [-1, -4096] multiplies to a size that fits, and makes every reader's view fail.
+    if not isinstance(shape, list) or not 0 < len(shape) <= _MAX_DIMS or not all(
+            _is_int(d) and 0 < d <= obj.nbytes for d in shape):
+        raise ValueError(f"shape {shape!r:.80} is not a list of up to {_MAX_DIMS} positive dims")
     dtype = wire.dtype_from_name(meta["dtype"])
-    order = [int(d) for d in meta.get("order", range(len(shape)))]
+    order = list(range(len(shape))) if order is None else order
+    if not isinstance(order, list) or not all(_is_int(d) for d in order):
+        raise ValueError(f"order {order!r:.80} is not a list of dims")
     size = dtype.itemsize
     for d in shape:
         size *= d
@@ -645,9 +694,29 @@ def _meta(obj: Any) -> dict[str, Any]:
 
 def _keys(message: dict[str, Any]) -> list[str]:
     keys = message.get("keys")
-    if not isinstance(keys, list) or not all(isinstance(k, str) and 0 < len(k) <= _MAX_KEY for k in keys):
-        raise RequestError("'keys' must be a list of non-empty strings")
+    if not isinstance(keys, list) or len(keys) > _MAX_ITEMS or not all(
+            isinstance(k, str) and 0 < len(k) <= _MAX_KEY for k in keys):
+        raise RequestError(f"'keys' must be a list of at most {_MAX_ITEMS} non-empty strings")
     return keys
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(message: dict[str, Any], field: str, default: float, *, low: float, high: float) -> float:
+    """``message[field]`` (or ``default``): a JSON number from ``low`` to ``high``, else a refused request."""
+    value = message.get(field, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise RequestError(f"'{field}' must be a number from {low:g} to {high:g}, got {value!r:.40}")
+    return float(value)
+
+
+def _integer(message: dict[str, Any], field: str, default: int | None = None, *, low: int, high: int) -> int:
+    value = message.get(field, default)
+    if not _is_int(value) or not low <= value <= high:
+        raise RequestError(f"'{field}' must be an integer from {low} to {high}, got {value!r:.40}")
+    return value
 
 
 def _text(value: Any, what: str) -> str:

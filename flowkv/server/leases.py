@@ -100,6 +100,25 @@ class LeaseTable:
         self.owners.setdefault(session.client, set()).add(name)
         return name
 
+    def forget_owner(self, session: Session, name: str) -> None:
+        """``name`` (from :meth:`owner`) holds no pins any more: out of the table."""
+        names = self.owners.get(session.client)
+        if names is not None:
+            names.discard(name)
+            if not names:
+                del self.owners[session.client]
+
+    def prune_owners(self, holds_pins: Any) -> int:
+        """Forget every owner for which ``holds_pins(name)`` is false (their pins expired); how many."""
+        pruned = 0
+        for client, names in list(self.owners.items()):
+            gone = {name for name in names if not holds_pins(name)}
+            names -= gone
+            pruned += len(gone)
+            if not names:
+                del self.owners[client]
+        return pruned
+
     def _live(self, client: str) -> Session | None:
         return next((s for s in self.sessions.values() if s.client == client and s.closed_at is None), None)
 
@@ -133,6 +152,7 @@ class LeaseTable:
             "allocations_held": alloc,
             "reads_held": len(self.handles) - alloc,
             "lease_timeout_s": self.lease_timeout_s,
+            "pin_owners": sum(len(names) for names in self.owners.values()),
             **{f"reclaimed_{k}": v for k, v in self.reclaimed.items()},
         }
 

@@ -281,6 +281,10 @@ class ObjectTier(abc.ABC):
         """``pin`` each key for ``owner_id``; one bool per key."""
         return [self.pin(key, owner_id, timeout_s=timeout_s, now=now) for key in keys]
 
+    def holds_pins(self, owner_id: Any) -> bool:
+        """Whether ``owner_id`` still pins anything here (a tier that cannot tell answers True)."""
+        return True
+
     def unpin_many(self, keys: Sequence[str], owner_id: Any) -> int:
         """Drop ``owner_id``'s pins on ``keys``; how many. (A tier without single unpins
         keeps them until ``release_owner`` or their deadline.)"""

@@ -511,6 +511,13 @@ class StorageManager:
         for objects in self._objects.values():
             objects.release_owner(owner)
 
+    def holds_pins(self, owner: Any) -> bool:
+        """Whether ``owner`` still pins a chunk in an object tier, or waits for a prefetch to land pinned."""
+        with self._lock:
+            if self._prefetch_owner.get(owner):
+                return True
+        return any(objects.holds_pins(owner) for objects in self._objects.values())
+
     def expire_pins(self) -> None:
         """Drop pins past their deadline (a scheduler that stopped asking must not pin forever)."""
         now = self.clock.now()

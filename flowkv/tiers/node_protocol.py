@@ -127,9 +127,28 @@ def encode_frame(message: dict[str, Any]) -> bytes:
     return _LENGTH.pack(len(body)) + body
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a message may hold")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 parses to inf
+        raise ValueError(f"{text[:32]} is not a finite number")
+    return value
+
+
 def decode_body(body: bytes) -> dict[str, Any]:
-    """A frame's body as a message (a JSON object), or ``ValueError``."""
-    message = json.loads(body)
+    """A frame's body as a message (a JSON object), or ``ValueError``.
+
+    Strict JSON: ``NaN``, ``Infinity`` and numbers that overflow a float are
+    refused (``int(inf)`` raises ``OverflowError`` in whatever handler meets
+    one), and so is nesting deeper than the parser's recursion limit.
+    """
+    try:
+        message = json.loads(body, parse_constant=_refuse_constant, parse_float=_finite)
+    except RecursionError:
+        raise ValueError("a message nested too deep") from None
     if not isinstance(message, dict):
         raise ValueError(f"a message is a JSON object, got {type(message).__name__}")
     return message

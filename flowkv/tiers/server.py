@@ -144,7 +144,7 @@ class ServerTier(ObjectTier):
             "calls", "failures", "timeouts", "skipped", "connects", "remaps", "errors",
             "lookups", "lookup_hits", "lookup_misses", "allocated", "allocation_shortfalls",
             "commits", "admitted", "not_admitted", "stale_objects", "reads", "read_hits", "read_misses",
-            "releases", "shape_mismatches",
+            "releases", "shape_mismatches", "bad_entries",
         ), 0)
 
     # -- connection ------------------------------------------------------------
@@ -392,16 +392,22 @@ class ServerTier(ObjectTier):
         session, segment = reply["_session"], reply["_segment"]
         out: list[RemoteObj | None] = []
         mismatched: list[RemoteObj] = []
+        unusable: list[RemoteObj] = []
         for (key, shape, dtype), found in zip(wanted, reply["objs"]):
             if found is None:
                 out.append(None)
                 continue
             handle, offset, nbytes, meta = int(found[0]), int(found[1]), int(found[2]), found[3]
-            if "codec" in meta:
-                tensor = segment.buffer[offset:offset + nbytes]
-            else:
-                tensor = wire.view(segment.buffer, offset, meta["shape"], wire.dtype_from_name(meta["dtype"]),
-                                   meta.get("order"))
+            try:
+                tensor = _reply_view(segment.buffer, offset, nbytes, meta)
+            except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+                # An entry whose description makes no view (another client's bad commit): a miss, and
+                # the read reference goes back now rather than when this connection ends.
+                self._counters["bad_entries"] += 1
+                log.warning("flowkv: node server entry %.80s has no usable layout (%s); a miss", key, exc)
+                unusable.append(RemoteObj(self, session, handle, offset, 0, segment.buffer, segment.buffer[:0]))
+                out.append(None)
+                continue
             obj = RemoteObj(self, session, handle, offset, nbytes, segment.buffer, tensor)
             if "codec" in meta:
                 obj.meta.update(codec=meta["codec"], encoded_len=int(meta["encoded_len"]))
@@ -410,9 +416,9 @@ class ServerTier(ObjectTier):
                 out.append(None)
                 continue
             out.append(obj)
-        if mismatched:
-            self._counters["shape_mismatches"] += len(mismatched)
-            self.release_objects(mismatched)
+        self._counters["shape_mismatches"] += len(mismatched)
+        if mismatched or unusable:
+            self.release_objects(mismatched + unusable)
         hits = sum(o is not None for o in out)
         self._counters["reads"] += 1
         self._counters["read_hits"] += hits
@@ -456,6 +462,17 @@ class ServerTier(ObjectTier):
         """This client's counters (no round trip: vLLM asks for them every step)."""
         return {**self._counters, "healthy": int(self._healthy), "backoff_s": self._backoff_s,
                 "session": self._session}
+
+
+def _reply_view(buffer: torch.Tensor, offset: int, nbytes: int, meta: dict[str, Any]) -> torch.Tensor:
+    """The tensor a ``get`` reply describes, inside the mapped segment (``ValueError`` when it is not)."""
+    if not 0 <= offset <= offset + nbytes <= buffer.numel():
+        raise ValueError(f"{nbytes} B at offset {offset} lie outside the segment")
+    if "codec" in meta:
+        return buffer[offset:offset + nbytes]
+    if not all(isinstance(d, int) and d > 0 for d in meta["shape"]):
+        raise ValueError(f"shape {meta['shape']!r:.80} has a dim below 1")
+    return wire.view(buffer, offset, meta["shape"], wire.dtype_from_name(meta["dtype"]), meta.get("order"))
 
 
 def _meta_of(obj: RemoteObj) -> dict[str, Any]:
