@@ -596,7 +596,7 @@ class NodeServer:
                 else:
                     kv = wire.view(self.buffer, obj.tensor.data_ptr() - self.buffer.data_ptr(), obj.meta["shape"],
                                    wire.dtype_from_name(obj.meta["dtype"]), obj.meta.get("order"))
-                    blob = payloads.encode(kv, self.codec, **self.codec_params)
+                    blob = payloads.encode(kv, self.codec, key=key, **self.codec_params)
                 for name in self.lower:
                     if self.storage.put(name, key, payload=blob):
                         self.counters.count(f"lower.{name}.offered")

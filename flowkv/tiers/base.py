@@ -308,14 +308,16 @@ class ObjectTier(abc.ABC):
         return f"{type(self).__name__}(name={getattr(self, 'name', '?')!r})"
 
 
-def verify_payload(blob: bytes) -> bool:
-    """Whether ``blob`` is an intact flowkv payload (header and checksum good).
+def verify_payload(blob: bytes, key: str | None = None) -> bool:
+    """Whether ``blob`` is an intact flowkv payload (header and checksum good; with ``key``, written for it).
 
     ``flowkv.payload.verify`` checks header, length and body checksum without
-    decoding; any ``PayloadError`` it raises makes the answer False.
+    decoding; any ``PayloadError`` it raises makes the answer False. A tier
+    that passes the key it read also refuses a payload moved or planted
+    under another key.
     """
     try:
-        payload.verify(blob)
+        payload.verify(blob, expect_key=key)
     except payload.PayloadError:
         return False
     return True

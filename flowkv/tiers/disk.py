@@ -181,7 +181,8 @@ class DiskTier(Tier):
         wanted = [d for d in dict.fromkeys(digests) if d in self._index]
         for digest in wanted:
             self._index.move_to_end(digest)
-        found = await anyio.to_thread.run_sync(self._read_files, wanted) if wanted else {}
+        named = dict(zip(digests, keys))
+        found = await anyio.to_thread.run_sync(self._read_files, {d: named[d] for d in wanted}) if wanted else {}
         for digest, outcome in found.items():
             if isinstance(outcome, bytes):
                 continue
@@ -445,11 +446,12 @@ class DiskTier(Tier):
 
     # -- file I/O (worker threads) -----------------------------------------
 
-    def _read_files(self, digests: list[str]) -> dict[str, bytes | str]:
-        """Each digest's payload, or why not: ``"misses"``, ``"corrupt"``, ``"read_errors"``."""
+    def _read_files(self, wanted: dict[str, str]) -> dict[str, bytes | str]:
+        """Each digest's payload (``wanted``: digest -> key), or why not: ``"misses"``, ``"corrupt"``,
+        ``"read_errors"``. A payload written for another key (a file renamed or planted) is corrupt."""
         found: dict[str, bytes | str] = {}
         now = time.time()
-        for digest in digests:
+        for digest, key in wanted.items():
             path = self._path(digest)
             try:
                 with open(path, "rb") as file:
@@ -461,7 +463,7 @@ class DiskTier(Tier):
                 logger.debug("disk tier %r: cannot read %s: %s", self.name, path, exc)
                 found[digest] = "read_errors"
                 continue
-            if not verify_payload(blob):
+            if not verify_payload(blob, key):
                 logger.warning("disk tier %r: corrupt payload in %s removed", self.name, path)
                 self._unlink(path)
                 found[digest] = "corrupt"
