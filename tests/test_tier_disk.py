@@ -6,12 +6,14 @@ import os
 import shutil
 from pathlib import Path
 
+import anyio
 import attrs
 import pytest
 
 from flowkv.registry import resolve_tier
 from flowkv.tiers import DiskTier, DiskTierConfig, GuardedTier
 from flowkv.tiers.disk import key_digest
+from local_users import in_child_as_nobody, needs_root, shared_folder  # noqa: F401 - shared_folder is a fixture
 from redis_servers import make_payload
 
 pytestmark = pytest.mark.anyio
@@ -233,19 +235,29 @@ async def test_folder_removed_while_running_is_made_again_by_the_next_write(tmp_
     assert tier.stats()["write_errors"] == 0 and file_of(root, same_shard).exists()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file permissions")
-async def test_permission_denied_degrades_to_misses(tmp_path: Path) -> None:
-    root = tmp_path / "cache"
-    tier = disk_tier(root)
-    await tier.put([(chunk_key(1), make_payload(KIB, 1, key=chunk_key(1)))])
-    os.chmod(file_of(root, chunk_key(1)), 0)
-    root.chmod(0o500)
-    try:
-        await tier.put([(chunk_key(2), make_payload(KIB, 2, key=chunk_key(2)))])
-        assert await tier.get([chunk_key(1), chunk_key(2)]) == [None, None]
-        assert tier.stats()["write_errors"] == 1 and tier.stats()["read_errors"] == 1
-    finally:
-        root.chmod(0o700)
+@needs_root
+def test_permission_denied_degrades_to_misses(shared_folder: Path) -> None:
+    # Root ignores file modes: the tier runs as nobody (a forked child that dropped privileges).
+    root = shared_folder / "cache"
+
+    def as_another_user() -> dict:
+        async def main() -> dict:
+            tier = disk_tier(root)
+            await tier.put([(chunk_key(1), make_payload(KIB, 1, key=chunk_key(1)))])
+            os.chmod(file_of(root, chunk_key(1)), 0)
+            root.chmod(0o500)
+            try:
+                await tier.put([(chunk_key(2), make_payload(KIB, 2, key=chunk_key(2)))])
+                got = await tier.get([chunk_key(1), chunk_key(2)])
+                return {**tier.stats(), "answers": [blob is None for blob in got]}
+            finally:
+                root.chmod(0o700)
+
+        return anyio.run(main)
+
+    stats = in_child_as_nobody(as_another_user)
+    assert stats["answers"] == [True, True]  # both misses
+    assert stats["write_errors"] == 1 and stats["read_errors"] == 1
 
 
 async def test_fsync_mode_round_trips(tmp_path: Path) -> None:
