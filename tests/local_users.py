@@ -11,6 +11,10 @@ this" must act as another user. Two ways:
   child, run ``fn()`` there (flowkv already imported) and hand back its
   JSON-able result; for flowkv code that must run as a non-root user.
 
+``LISTENER``: a stdlib script that binds a Unix socket, listens for
+``argv[2]`` seconds and prints how many bytes its clients sent (an
+impostor or squatter that records what it heard).
+
 ``shared_folder`` (fixture): a fresh folder under /tmp that nobody may
 enter and write (pytest's own tmp folders are root's 0700). Tests that need these
 skip unless the suite runs as root.
@@ -32,6 +36,35 @@ from typing import Any
 import pytest
 
 NOBODY = pwd.getpwnam("nobody")
+
+LISTENER = """
+import os, socket, sys, time
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(sys.argv[1])
+os.chmod(sys.argv[1], 0o777)
+listener.listen(8)
+listener.settimeout(0.2)
+print("listening", flush=True)
+received, connections = 0, 0
+deadline = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    try:
+        conn, _ = listener.accept()
+    except socket.timeout:
+        continue
+    connections += 1
+    conn.settimeout(0.5)
+    try:
+        while True:
+            got = conn.recv(65536)
+            if not got:
+                break
+            received += len(got)
+    except socket.timeout:
+        pass
+    conn.close()
+print("received", received, "connections", connections, flush=True)
+"""
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="playing a second local user needs root")
 
 

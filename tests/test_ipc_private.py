@@ -19,36 +19,7 @@ import numpy as np
 import pytest
 
 from flowkv.integration._ipc import LookupClient, LookupServer, default_ipc_dir, socket_path
-from local_users import NOBODY, needs_root, shared_folder, spawn_as_nobody  # noqa: F401 - a fixture
-
-IMPOSTOR = """
-import os, socket, sys, time
-path = sys.argv[1]
-listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-listener.bind(path)
-os.chmod(path, 0o777)
-listener.listen(8)
-listener.settimeout(0.2)
-print("listening", flush=True)
-received = 0
-deadline = time.monotonic() + float(sys.argv[2])
-while time.monotonic() < deadline:
-    try:
-        conn, _ = listener.accept()
-    except socket.timeout:
-        continue
-    conn.settimeout(0.5)
-    try:
-        while True:
-            got = conn.recv(65536)
-            if not got:
-                break
-            received += len(got)
-    except socket.timeout:
-        pass
-    conn.close()
-print("received", received, flush=True)
-"""
+from local_users import LISTENER, NOBODY, needs_root, shared_folder, spawn_as_nobody  # noqa: F401 - a fixture
 
 
 def answer_hits(header: dict, tokens: np.ndarray) -> dict:
@@ -113,7 +84,7 @@ def test_the_scheduler_sends_nothing_to_a_listener_of_another_user(shared_folder
     honest.start()
     # An impostor's socket in this user's folder (however it got there: here root moves it in).
     theirs = shared_folder / "impostor.sock"
-    impostor = spawn_as_nobody(IMPOSTOR, str(theirs), "8")
+    impostor = spawn_as_nobody(LISTENER, str(theirs), "8")
     try:
         assert impostor.stdout.readline().strip() == "listening"
         planted = socket_path(ours, "mixed", 0, 1)
@@ -143,4 +114,4 @@ def test_the_scheduler_sends_nothing_to_a_listener_of_another_user(shared_folder
     finally:
         out, err = impostor.communicate(timeout=60)
         honest.close()
-    assert "received 0" in out, (out, err)  # the probe connected and hung up: not a byte sent
+    assert "received 0 " in out, (out, err)  # the probe connected and hung up: not a byte sent

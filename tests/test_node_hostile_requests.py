@@ -41,7 +41,8 @@ class RawClient:
         self.sock.settimeout(30.0)
         self.sock.connect(str(path))
         self.next_id = 1
-        assert self.call({"op": "hello", "client": "raw"})["ok"]
+        # The operator's token: every op is open to it, so only the request's own fields are refused.
+        assert self.call({"op": "hello", "client": "raw", "operator_token": wire.read_operator_token(path)})["ok"]
 
     def send_body(self, body: bytes) -> None:
         self.sock.sendall(struct.pack("<I", len(body)) + body)

@@ -41,7 +41,7 @@ import queue
 import secrets
 import signal
 import socket
-import struct
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from flowkv import payload as payloads
+from flowkv.local_peers import PeerCredentials, peer_credentials, private_folder
 from flowkv.memory import MemoryArena
 from flowkv.pipeline_model import Pipeline, TelemetrySpec
 from flowkv.resident import PREFAULT_MODES, ResidentBuffer
@@ -91,12 +92,17 @@ class _Counters:
 class ServerOptions:
     """What ``flowkv server`` was started with."""
 
-    def __init__(self, *, socket_path: str | os.PathLike[str], memory_bytes: int, pipeline: Pipeline | None = None,
+    def __init__(self, *, socket_path: str | os.PathLike[str] | None = None, memory_bytes: int,
+                 pipeline: Pipeline | None = None,
                  lease_timeout_s: float = 30.0, max_pin_s: float = 60.0, slab_bytes: int | None = None,
                  metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
                  shm_dir: str | os.PathLike[str] = "/dev/shm", workers: int = 4, name: str | None = None,
-                 prefault: str = "background") -> None:
-        self.socket_path = Path(socket_path)
+                 prefault: str = "background", group: int | None = None) -> None:
+        #: the default (``node_protocol.default_socket_path``) lives in a folder only this user may use
+        self.default_socket = socket_path is None
+        self.socket_path = wire.default_socket_path() if socket_path is None else Path(socket_path)
+        #: a group whose members may use the server too (socket 0660, segment 0660 and its folder 0750)
+        self.group = group
         #: a stable name for this node's cache (a fleet controller's holder id); the id changes every start
         self.name = name or f"{socket.gethostname()}:{self.socket_path}"
         self.memory_bytes = int(memory_bytes)
@@ -125,6 +131,8 @@ class NodeServer:
         self.started = time.time()
         self.counters = _Counters()
         self.leases = LeaseTable(lease_timeout_s=options.lease_timeout_s)
+        self.operator_token = secrets.token_hex(32)
+        self.segment_dir = wire.segment_folder(options.shm_dir, group=options.group)
         self._remove_stale_segments()
         self.segment = self._create_segment()
         self.segment_path = self.segment.path
@@ -157,6 +165,7 @@ class NodeServer:
         self._stopping: asyncio.Event | None = None
         self.metrics_url: str | None = None
         self._malformed_logged = False
+        self._written_by: dict[str, int | None] = {}  # key -> the uid that committed it (arena entries)
 
     # -- the segment -----------------------------------------------------------
 
@@ -173,23 +182,43 @@ class NodeServer:
             raise ValueError(f"--memory {self.options.memory_bytes / 2**30:.2f} GiB does not fit "
                              f"{self.options.shm_dir}: {room / 2**30:.2f} GiB free there (df -h "
                              f"{self.options.shm_dir}; in a container, --shm-size)")
+        private_folder(self.segment_dir, what="flowkv server segments", group=self.options.group)
+        if self.options.group is not None:  # members map the segment too: the folder 0750, the file 0660
+            os.chown(self.segment_dir, -1, self.options.group)
+            os.chmod(self.segment_dir, 0o750)
         prefix = wire.segment_prefix(self.options.socket_path)
-        path = self.options.shm_dir / f"{prefix}{os.getpid()}-{secrets.token_hex(4)}"
+        path = self.segment_dir / f"{prefix}{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            return ResidentBuffer.shared(path, self.options.memory_bytes, prefault=self.options.prefault)
+            segment = ResidentBuffer.shared(path, self.options.memory_bytes, prefault=self.options.prefault)
+            if self.options.group is not None:
+                os.chown(path, -1, self.options.group)
+                os.chmod(path, 0o660)
+            return segment
         except BaseException:
             path.unlink(missing_ok=True)
             raise
 
     def _remove_stale_segments(self) -> None:
-        """Segments left by servers on this socket that died without cleaning up (kill -9)."""
+        """Segments left by servers on this socket that died without cleaning up (kill -9).
+
+        Only in this user's own segment folder, and only regular files of
+        this user: nothing another user planted is touched (nor can it be
+        there), and a link is never followed.
+        """
         prefix = wire.segment_prefix(self.options.socket_path)
         try:
-            names = [p for p in self.options.shm_dir.iterdir() if p.name.startswith(prefix)]
+            names = [p for p in self.segment_dir.iterdir() if p.name.startswith(prefix)]
         except OSError:
             return
         for path in names:
             pid_text = path.name[len(prefix):].split("-", 1)[0]
+            try:
+                info = path.lstat()
+            except OSError:
+                continue
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                log.warning("flowkv server: leaving %s alone: not a segment file of this user", path)
+                continue
             if pid_text.isdigit() and not _alive(int(pid_text)):
                 log.warning("flowkv server: removing %s, left by server pid %s", path, pid_text)
                 path.unlink(missing_ok=True)
@@ -221,6 +250,8 @@ class NodeServer:
     # -- events for a fleet controller ------------------------------------------
 
     def _on_event(self, event: TierEvent) -> None:
+        if event.kind != "admit" and event.tier == "memory":
+            self._written_by.pop(event.key, None)
         with self._event_lock:
             self._event_seq += 1
             self._events.append((self._event_seq, event.kind, event.tier, event.key))
@@ -235,8 +266,16 @@ class NodeServer:
         self._stopping = asyncio.Event()
         self._new_events = asyncio.Event()
         path = self.options.socket_path
+        if self.options.default_socket:
+            private_folder(path.parent, what="flowkv server socket", group=self.options.group)
         _claim_socket_path(path)
         server = await asyncio.start_unix_server(self._client, path=str(path))
+        # 0600 (0660 with a group) whatever the umask; the default folder is private besides.
+        if self.options.group is not None:
+            os.chown(path, -1, self.options.group)
+        os.chmod(path, 0o660 if self.options.group is not None else 0o600)
+        token_file = wire.operator_token_path(path)
+        _write_private(token_file, self.operator_token)
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._loop.add_signal_handler(signum, self._stopping.set)
         metrics = None
@@ -261,6 +300,7 @@ class NodeServer:
                 metrics.shutdown()
             await self._loop.run_in_executor(None, self.close)
             path.unlink(missing_ok=True)
+            token_file.unlink(missing_ok=True)
 
     def close(self) -> None:
         """Drain committed chunks to the lower tiers, flush write-behind, close tiers, remove the segment."""
@@ -293,7 +333,18 @@ class NodeServer:
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         session = self.leases.open()
-        session.pid = _peer_pid(writer)
+        peer = _peer(writer)
+        if peer is None or not (peer.uid == os.geteuid() or (self.options.group is not None
+                                                              and peer.gid == self.options.group)):
+            # The socket's mode keeps others out; this is the second lock (a socket path given in /tmp).
+            log.warning("flowkv server: refusing a client of uid %s", None if peer is None else peer.uid)
+            self.counters.count("clients_refused")
+            self.leases.close(session)
+            writer.close()
+            return
+        session.pid, session.uid = peer.pid, peer.uid
+        # Named by its credentials and connection, never by what it declares.
+        session.client = f"uid{peer.uid}:pid{peer.pid}:c{session.id}"
         self._writers.add(writer)
         try:
             while True:
@@ -353,10 +404,12 @@ class NodeServer:
     # -- requests ------------------------------------------------------------------
 
     async def _hello(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
-        session.client = _text(message.get("client"), "client")
-        pid = message.get("pid")
-        if session.pid is None and pid is not None:
-            session.pid = _integer(message, "pid", low=1, high=1 << 31)
+        session.label = _text(message.get("client"), "client")  # shown in stats; names nothing
+        token = message.get("operator_token")
+        if token is not None:
+            if not isinstance(token, str) or not secrets.compare_digest(token, self.operator_token):
+                raise RequestError("operator_token is not this server's")
+            session.operator = True
         self.counters.count("hellos")
         return {"version": wire.PROTOCOL_VERSION, "server": self.server_id, "name": self.options.name,
                 "segment": str(self.segment_path),
@@ -468,6 +521,8 @@ class NodeServer:
             try:
                 _describe(obj, _text(key, "key"), nbytes, meta)
                 taken = self.storage.put("memory", key, obj=obj) > 0
+                if taken:
+                    self._written_by[key] = session.uid
                 if taken and self.lower:
                     obj.ref_up()  # the writer's, until the chunk is encoded for the lower tiers
                     try:
@@ -540,13 +595,28 @@ class NodeServer:
                 handle.obj.ref_down()
 
     async def _remove(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
-        return {"removed": [self.storage.remove(key) for key in _keys(message)]}
+        """Drop entries: a client's own user's, or any with the operator token."""
+        keys = _keys(message)
+        if not session.operator and any(self._written_by.get(key, session.uid) != session.uid for key in keys):
+            self.counters.count("operator_refused")
+            raise RequestError("removing entries another user wrote needs the operator token")
+        return {"removed": [self.storage.remove(key) for key in keys]}
 
     async def _stats(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
-        return self.status()
+        status = self.status()
+        if not session.operator:  # who else is connected is the operator's to know
+            status["sessions"] = [s for s in status["sessions"] if s["session"] == session.id]
+        return status
+
+    def _operator(self, session: Session, op: str) -> None:
+        if not session.operator:
+            self.counters.count("operator_refused")
+            raise RequestError(f"{op} needs the operator token (flowkv server status and node-report read it "
+                               f"from the file beside the socket)")
 
     async def _events_since(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
         """Tier events after ``since`` (at most ``max``), waiting up to ``wait_s`` for one."""
+        self._operator(session, "events")
         since = _integer(message, "since", 0, low=0, high=1 << 63)
         limit = _integer(message, "max", 4096, low=1, high=1 << 63)
         limit = min(limit, _EVENTS_KEPT)
@@ -570,6 +640,7 @@ class NodeServer:
 
     async def _snapshot(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
         """Every key the arena holds, and the event sequence number it is as of."""
+        self._operator(session, "snapshot")
         with self._event_lock:
             seq = self._event_seq
             keys = self.memory.keys()
@@ -758,28 +829,45 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _peer_pid(writer: asyncio.StreamWriter) -> int | None:
-    sock = writer.get_extra_info("socket")
+def _peer(writer: asyncio.StreamWriter) -> PeerCredentials | None:
     try:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        return struct.unpack("3i", creds)[0]
-    except (OSError, AttributeError):
+        return peer_credentials(writer.get_extra_info("socket"))
+    except (OSError, AttributeError, TypeError):
         return None
 
 
+def _write_private(path: Path, text: str) -> None:
+    """``text`` in a new 0600 file at ``path`` (one a dead server left is replaced; a link is never followed)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w", encoding="ascii") as file:
+        file.write(text + "\n")
+
+
 def _claim_socket_path(path: Path) -> None:
-    """Refuse a path a live server listens on; remove one a dead server left."""
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
+    """Refuse a path a live server listens on (named: ours, or another user's squatting it); remove one a
+    dead server left."""
+    if not os.path.lexists(path):
+        if not path.parent.exists():
+            os.makedirs(path.parent, mode=0o700, exist_ok=True)
         return
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.settimeout(1.0)
         probe.connect(str(path))
+        listener = peer_credentials(probe)
     except OSError:
         log.warning("flowkv server: removing %s, left by a server that is gone", path)
-        path.unlink()
+        try:
+            path.unlink()
+        except PermissionError as exc:
+            raise RuntimeError(f"{path} is left by another user (uid {path.lstat().st_uid}) and cannot be "
+                               f"removed: choose another --socket, or the private default") from exc
         return
     finally:
         probe.close()
+    if listener.uid != os.geteuid():
+        raise RuntimeError(f"{path}: a process of uid {listener.uid} (pid {listener.pid}) already listens there, "
+                           f"not a flowkv server of this user: refusing to start; choose another --socket, or "
+                           f"leave it out for the private default")
     raise RuntimeError(f"a flowkv server already listens on {path}")

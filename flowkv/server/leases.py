@@ -3,7 +3,7 @@
 ::
 
     Session (one per connection)         Handle (one per reference a client holds)
-      client: "host:pid:rand"              kind: "alloc" (a room being filled, not in the index)
+      client: "uid0:pid42:c7"              kind: "alloc" (a room being filled, not in the index)
       handles: {17, 18, ...}  ----------->       "read"  (an entry's pages a retrieve scatters from)
       closed_at: None | when it hung up    obj:  the MemoryObj (one reference)
 
@@ -17,7 +17,8 @@ Rules:
   only its connection may still be copying into or out of those pages. Then
   they are reclaimed (the pages go back, or to the entry that still holds
   them).
-- Pins belong to ``(client id, lookup owner)``, so two clients' requests
+- Pins belong to ``(client, lookup owner)``, the client named by its
+  credentials and connection (never by what it declares), so two clients' requests
   never share one. They end when released, at their deadline, or when their
   client has had no connection for ``lease_timeout_s``.
 - A connected client is never dropped for being idle.
@@ -39,8 +40,11 @@ class Session:
     """One client connection."""
 
     id: int
-    client: str = "?"  # the id the client gave in hello
-    pid: int | None = None  # the peer's pid (SO_PEERCRED), else what hello said
+    client: str = "?"  # the server's name for it: uid, pid (SO_PEERCRED) and connection
+    pid: int | None = None  # the peer's pid (SO_PEERCRED)
+    uid: int | None = None  # the peer's uid (SO_PEERCRED)
+    label: str = "?"  # what the client called itself in hello (shown, never trusted)
+    operator: bool = False  # it showed the server's operator token
     connected_at: float = attrs.field(factory=time.time)
     handles: set[int] = attrs.field(factory=set)
     closed_at: float | None = None  # monotonic seconds when the connection ended
@@ -157,5 +161,6 @@ class LeaseTable:
         }
 
     def clients(self) -> list[dict[str, Any]]:
-        return [{"session": s.id, "client": s.client, "pid": s.pid, "connected": s.closed_at is None,
+        return [{"session": s.id, "client": s.client, "label": s.label, "pid": s.pid, "uid": s.uid,
+                 "connected": s.closed_at is None,
                  "handles": len(s.handles)} for s in self.sessions.values()]

@@ -4,8 +4,15 @@
 
     [tiers.node]
     kind = "server"
-    socket = "/run/flowkv/node.sock"   # where `flowkv server --socket ...` listens
+    # socket = "/run/flowkv/node.sock" # where `flowkv server --socket ...` listens (default: the server's
+    #                                  # private default, node_protocol.default_socket_path)
     timeout_s = 2.0                    # every call bounded; then misses until it is back
+
+Before it sends anything the tier checks that the listener runs as this
+user (or ``trust_group``), and it maps only a private segment of that user
+(:mod:`flowkv.tiers.node_protocol`); it connects with the server's operator
+token when it can read it (the server's own user can), which lets it carry a
+controller's ``clear`` to entries other clients wrote.
 
 The tier maps the server's shared memory once (:mod:`flowkv.tiers.node_protocol`)
 and hands out objects whose tensors are views of the mapped pages: a store
@@ -56,10 +63,12 @@ _BACKOFF_INITIAL_S = 0.25
 class ServerTierConfig:
     """``[tiers.NAME] kind = "server"``: the node server's socket, and how long a call may take."""
 
-    socket: str  # the server's Unix socket (`flowkv server --socket PATH`)
+    # the server's Unix socket (`flowkv server --socket PATH`); default: the private one both sides compute
+    socket: str = attrs.field(factory=lambda: str(wire.default_socket_path()))
     timeout_s: float = 2.0  # every call to the server is cut off after this; then misses
     backoff_max_s: float = 5.0  # an unreachable server is tried again after at most this long
-    client_id: str | None = None  # names this client in the server's status; default host:pid:random
+    client_id: str | None = None  # a label in the server's status (it names clients by uid, pid, connection)
+    trust_group: int | None = None  # a gid whose server this client trusts too (`flowkv server --group`)
 
     def __attrs_post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -163,10 +172,13 @@ class ServerTier(ObjectTier):
         if self._closed or time.monotonic() < self._retry_at:
             return None
         try:
-            conn = wire.NodeConnection.connect(self.config.socket, timeout_s=self.config.timeout_s)
-            reply = conn.hello(self.client_id)
+            conn = wire.NodeConnection.connect(self.config.socket, timeout_s=self.config.timeout_s,
+                                               group=self.config.trust_group)
+            reply = conn.hello(self.client_id, operator_token=wire.read_operator_token(self.config.socket))
             if reply["server"] != self._server_id or self._segment is None:
-                segment = wire.map_segment(reply["segment"], int(reply["segment_bytes"]), int(reply["inode"]))
+                owner = conn.peer.uid if conn.peer is not None else None
+                segment = wire.map_segment(reply["segment"], int(reply["segment_bytes"]), int(reply["inode"]),
+                                           owner=owner)
                 if self._segment is not None:
                     self._counters["remaps"] += 1
                     log.warning("flowkv: node server %s restarted (now %s); mapped its new arena",
