@@ -5,7 +5,7 @@ small header followed by the codec's body::
 
     offset  size      field
     0       4         magic b"FKVP"
-    4       2         format version (2; version 1 is read too)
+    4       2         format version (3; versions 1 and 2 are read too)
     6       2         codec id (see flowkv.codecs)
     8       1         dtype code (1 fp16, 2 bf16, 3 fp32, 4 fp8 e4m3fn, 5 fp8 e5m2, 6 uint8)
     9       1         ndim
@@ -14,7 +14,10 @@ small header followed by the codec's body::
     16      8         body length B
     24      8         xxh3-64 of the body
     32      8*ndim    shape
-    ..      ndim      dim order of the body (version 2 only; see below)
+    ..      ndim      dim order of the body (versions 2 and 3; see below)
+    ..      16        key digest: BLAKE2b-128 of the chunk's key (version 3; zeros: bound to no key)
+    ..      2         option flags (version 3): bit 0 = a segment start follows; other bits must be 0
+    ..      8         segment start position, u64 (version 3, only with flag bit 0; CacheBlend)
     ..      P         codec parameters, canonical JSON (UTF-8, sorted keys)
     H-8     8         xxh3-64 of header bytes [0, H-8)
     H       B         body
@@ -36,6 +39,21 @@ another order), so a payload can never be read in the wrong order. Version
 1 payloads (written before chunk format 2) have no order field: their body
 is in the shape's own order.
 
+**Key digest (version 3).** A payload names the key it was written for, so
+one copied, moved or planted under another key (a disk file renamed, a
+Redis value set under another name) is refused like a corrupt one: a reader
+that passes ``expect_key`` accepts only a version-3 payload whose digest is
+its key's. The digest is no secret (anyone may compute it): it ties a
+payload to its key, it does not say who wrote it. The option flags leave
+room for fields a later feature adds to the same header (the segment start
+position of a CacheBlend segment is the first); a reader refuses a flag it
+does not know, so a payload is never read without a field its writer
+meant.
+
+Every way a stored payload can fail to parse — a checksum, a length, the
+codec parameters' JSON (deep nesting included) or their types — raises
+`PayloadError`; tiers count it as corrupt and drop the entry.
+
 Example::
 
     >>> import torch
@@ -50,6 +68,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 import sys
@@ -73,14 +92,15 @@ __all__ = [
     "decode",
     "decode_into",
     "encode",
+    "key_digest",
     "read_header",
     "verify",
 ]
 
 MAGIC = b"FKVP"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 #: Versions this flowkv reads.
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 
 # magic, version, codec id, dtype code, ndim, params length, header length,
 # body length, body checksum
@@ -89,6 +109,11 @@ _CHECKSUM = struct.Struct("<Q")
 #: Bytes a reader must have to learn the full header length (field at offset 12).
 MIN_HEADER_SIZE = _PREFIX.size + _CHECKSUM.size
 _MAX_NDIM = 16
+_DIGEST_BYTES = 16
+_UNBOUND = bytes(_DIGEST_BYTES)
+_OPTIONS = struct.Struct("<H")
+_SEGMENT_START = 1  # option flag: a u64 segment start position follows
+_KNOWN_OPTIONS = _SEGMENT_START
 
 _DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float16: 1,
@@ -104,6 +129,10 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts run vLLM
     raise ImportError("flowkv payloads are little-endian; this host is big-endian")
 
 
+# What a codec may raise on a body or parameters that passed the checksums but not its own rules.
+_DECODE_ERRORS = (ValueError, RuntimeError, TypeError, KeyError, ArithmeticError, RecursionError)
+
+
 def _checksum(data: Any) -> int:
     # xxh3 runs ~28 GB/s here against ~10 GB/s for xxh64: a payload is
     # checked on every read from a slow tier, so the faster one.
@@ -112,6 +141,11 @@ def _checksum(data: Any) -> int:
 
 class PayloadError(ValueError):
     """A payload cannot be decoded: corrupt, truncated, foreign or not the expected one."""
+
+
+def key_digest(key: str) -> bytes:
+    """The 16 bytes a version-3 payload carries for ``key`` (BLAKE2b-128 of its UTF-8)."""
+    return hashlib.blake2b(key.encode(), digest_size=_DIGEST_BYTES).digest()
 
 
 @attrs.frozen
@@ -136,6 +170,10 @@ class PayloadHeader:
     header_length: int
     #: The order of the body's dims, outermost first (identity: the shape's own order).
     dim_order: tuple[int, ...] = attrs.field(converter=tuple, default=())
+    #: BLAKE2b-128 of the key it was written for (empty: version 1 or 2; zeros: written for no key).
+    key_digest: bytes = b""
+    #: Where the tokens of a CacheBlend segment started in the prompt it was stored from (None: not a segment).
+    segment_start: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.dim_order:
@@ -191,8 +229,13 @@ def _buffer_order(tensor: torch.Tensor) -> tuple[int, ...]:
     return order if tensor.permute(order).is_contiguous() else _identity(tensor.dim())
 
 
-def encode(tensor: torch.Tensor, codec: str = "none", **codec_params: Any) -> bytes:
+def encode(tensor: torch.Tensor, codec: str = "none", *, key: str | None = None, segment_start: int | None = None,
+           **codec_params: Any) -> bytes:
     """Encode `tensor` as a payload with the named codec and its parameters.
+
+    ``key`` binds the payload to the chunk key it is stored under (tiers
+    refuse it under any other); ``segment_start`` records a CacheBlend
+    segment's start position.
 
     A lossless codec encodes the elements in the order the tensor's buffer
     holds them (the header names it), so a chunk in its engine's format is
@@ -219,7 +262,14 @@ def encode(tensor: torch.Tensor, codec: str = "none", **codec_params: Any) -> by
     if len(params_json) > 0xFFFF:
         raise ValueError(f"codec {codec!r} parameters take {len(params_json)} bytes in the header, at most 65535")
     shape = tuple(tensor.shape)
-    header_length = _PREFIX.size + 9 * len(shape) + len(params_json) + _CHECKSUM.size
+    options, extra = 0, b""
+    if segment_start is not None:
+        if not 0 <= segment_start < 1 << 64:
+            raise ValueError(f"segment_start must be a position from 0, got {segment_start!r}")
+        options, extra = options | _SEGMENT_START, extra + struct.pack("<Q", segment_start)
+    digest = key_digest(key) if key is not None else _UNBOUND
+    header_length = (_PREFIX.size + 9 * len(shape) + _DIGEST_BYTES + _OPTIONS.size + len(extra) + len(params_json)
+                     + _CHECKSUM.size)
     head = (
         _PREFIX.pack(
             MAGIC,
@@ -234,17 +284,22 @@ def encode(tensor: torch.Tensor, codec: str = "none", **codec_params: Any) -> by
         )
         + struct.pack(f"<{len(shape)}Q", *shape)
         + bytes(order)
+        + digest
+        + _OPTIONS.pack(options)
+        + extra
         + params_json
     )
     # bytes + buffer concatenates in one copy of the body.
     return head + _CHECKSUM.pack(_checksum(head)) + body
 
 
-def read_header(blob: bytes | bytearray | memoryview) -> PayloadHeader:
+def read_header(blob: bytes | bytearray | memoryview, *, expect_key: str | None = None) -> PayloadHeader:
     """Parse and verify a payload's header; the body need not be present.
 
-    Raises PayloadError for wrong magic, an unknown version, codec or dtype,
-    a header checksum mismatch, or too few bytes for the header.
+    Raises PayloadError for wrong magic, an unknown version, codec, dtype or
+    option, a header checksum mismatch, codec parameters that do not parse
+    or validate, too few bytes for the header, or — with ``expect_key`` — a
+    payload not written for that key.
     """
     view = _flat_bytes(blob)
     if len(view) < 6:
@@ -254,12 +309,17 @@ def read_header(blob: bytes | bytearray | memoryview) -> PayloadHeader:
     version = int.from_bytes(view[4:6], "little")
     if version not in READABLE_VERSIONS:
         raise PayloadError(f"unsupported payload format version {version} "
-                           f"(this flowkv reads {' and '.join(map(str, READABLE_VERSIONS))})")
+                           f"(this flowkv reads {', '.join(map(str, READABLE_VERSIONS[:-1]))} and "
+                           f"{READABLE_VERSIONS[-1]})")
     if len(view) < MIN_HEADER_SIZE:
         raise PayloadError(f"payload truncated: {len(view)} bytes, a header needs at least {MIN_HEADER_SIZE}")
     _, _, codec_id, dtype_code, ndim, params_len, header_length, body_length, body_checksum = _PREFIX.unpack_from(view)
     order_len = ndim if version >= 2 else 0
-    if header_length != _PREFIX.size + 8 * ndim + order_len + params_len + _CHECKSUM.size:
+    keyed_len = _DIGEST_BYTES + _OPTIONS.size if version >= 3 else 0
+    fixed = _PREFIX.size + 8 * ndim + order_len + keyed_len + params_len + _CHECKSUM.size
+    # The options' fields come before the checksum is checked only as a length: checked again after it.
+    if not fixed <= header_length <= fixed + 8 * 16 or (header_length - fixed) % 8 or (
+            not keyed_len and header_length != fixed):
         raise PayloadError(
             f"corrupt payload header: header length {header_length} does not match "
             f"ndim {ndim} and parameter length {params_len}"
@@ -282,13 +342,32 @@ def read_header(blob: bytes | bytearray | memoryview) -> PayloadHeader:
     order = tuple(view[order_at:order_at + order_len]) if order_len else _identity(ndim)
     if sorted(order) != list(range(ndim)):
         raise PayloadError(f"corrupt payload header: dim order {order} is not a permutation of {ndim} dims")
+    digest, segment_start = b"", None
     params_at = order_at + order_len
+    if keyed_len:
+        digest = bytes(view[params_at:params_at + _DIGEST_BYTES])
+        (options,) = _OPTIONS.unpack_from(view, params_at + _DIGEST_BYTES)
+        params_at += keyed_len
+        if options & ~_KNOWN_OPTIONS:
+            raise PayloadError(f"payload has options {options:#x} this flowkv does not know (a newer writer)")
+        if header_length != fixed + 8 * bin(options).count("1"):
+            raise PayloadError(f"corrupt payload header: header length {header_length} does not match its options")
+        if options & _SEGMENT_START:
+            (segment_start,) = struct.unpack_from("<Q", view, params_at)
+            params_at += 8
+    if expect_key is not None and digest != key_digest(expect_key):
+        why = "bound to no key" if digest in (b"", _UNBOUND) else "written for another key"
+        raise PayloadError(f"payload {why}, read as {expect_key[:80]!r}: refused")
     try:
         params = json.loads(bytes(view[params_at : params_at + params_len]))
-    except ValueError as exc:
-        raise PayloadError(f"payload codec parameters are not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser goes
+        raise PayloadError(f"payload codec parameters are not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(params, dict):
-        raise PayloadError(f"payload codec parameters are not a JSON object: {params!r}")
+        raise PayloadError(f"payload codec parameters are not a JSON object: {str(params)[:80]}")
+    try:
+        impl.params_from_header(params)  # wrong types or names: corrupt now, not when a decode meets them
+    except (ValueError, TypeError, KeyError, ArithmeticError, RecursionError) as exc:
+        raise PayloadError(f"payload codec parameters do not validate: {str(exc)[:200]}") from None
     return PayloadHeader(
         version=version,
         codec=impl.name,
@@ -299,6 +378,8 @@ def read_header(blob: bytes | bytearray | memoryview) -> PayloadHeader:
         body_checksum=body_checksum,
         header_length=header_length,
         dim_order=order,
+        key_digest=digest,
+        segment_start=segment_start,
     )
 
 
@@ -307,10 +388,11 @@ def _checked(
     expect_codec: str | None,
     expect_shape: Sequence[int] | None,
     expect_dtype: torch.dtype | None,
+    expect_key: str | None = None,
 ) -> tuple[PayloadHeader, memoryview]:
     """Header and body of a payload whose checksums and expectations hold."""
     view = _flat_bytes(blob)
-    header = read_header(view)
+    header = read_header(view, expect_key=expect_key)
     if expect_codec is not None and header.codec != expect_codec:
         raise PayloadError(f"payload was written with codec {header.codec!r}, expected {expect_codec!r}")
     if expect_shape is not None and header.shape != tuple(expect_shape):
@@ -328,9 +410,9 @@ def _checked(
     return header, body
 
 
-def verify(blob: bytes | bytearray | memoryview) -> PayloadHeader:
-    """Check a whole payload (header, length, body checksum) without decoding it."""
-    header, _ = _checked(blob, None, None, None)
+def verify(blob: bytes | bytearray | memoryview, *, expect_key: str | None = None) -> PayloadHeader:
+    """Check a whole payload (header, length, body checksum; with ``expect_key``, its key) without decoding it."""
+    header, _ = _checked(blob, None, None, None, expect_key)
     return header
 
 
@@ -340,19 +422,20 @@ def decode(
     expect_shape: Sequence[int] | None = None,
     expect_dtype: torch.dtype | None = None,
     expect_codec: str | None = None,
+    expect_key: str | None = None,
 ) -> torch.Tensor:
     """Decode a payload into a new CPU tensor.
 
-    With `expect_shape`, `expect_dtype` or `expect_codec` given, a payload
-    holding anything else is rejected. Raises PayloadError for any problem
-    with the bytes; never returns data that failed a check.
+    With `expect_shape`, `expect_dtype`, `expect_codec` or `expect_key`
+    given, a payload holding anything else is rejected. Raises PayloadError
+    for any problem with the bytes; never returns data that failed a check.
     """
-    header, body = _checked(blob, expect_codec, expect_shape, expect_dtype)
+    header, body = _checked(blob, expect_codec, expect_shape, expect_dtype, expect_key)
     impl = _codecs.get_codec(header.codec)
     try:
         params = impl.params_from_header(header.codec_params)
         tensor = impl.decode(body, header.body_shape, header.dtype, params)
-    except (ValueError, RuntimeError) as exc:
+    except _DECODE_ERRORS as exc:
         raise PayloadError(f"codec {header.codec!r} failed to decode the payload: {exc}") from exc
     if tuple(tensor.shape) != header.body_shape or tensor.dtype != header.dtype:
         raise PayloadError(
@@ -368,6 +451,7 @@ def decode_into(
     out: torch.Tensor,
     *,
     expect_codec: str | None = None,
+    expect_key: str | None = None,
 ) -> torch.Tensor:
     """Decode a payload into the preallocated `out` and return it.
 
@@ -379,7 +463,7 @@ def decode_into(
     device; other cases decode on the CPU and copy. On any error `out` may
     hold partial data.
     """
-    header, body = _checked(blob, expect_codec, tuple(out.shape), out.dtype)
+    header, body = _checked(blob, expect_codec, tuple(out.shape), out.dtype, expect_key)
     impl = _codecs.get_codec(header.codec)
     try:
         params = impl.params_from_header(header.codec_params)
@@ -389,6 +473,6 @@ def decode_into(
         else:
             out.copy_(impl.decode(body, header.body_shape, header.dtype, params).permute(_inverse(header.dim_order))
                       if out.dim() else impl.decode(body, header.shape, header.dtype, params))
-    except (ValueError, RuntimeError) as exc:
+    except _DECODE_ERRORS as exc:
         raise PayloadError(f"codec {header.codec!r} failed to decode the payload: {exc}") from exc
     return out

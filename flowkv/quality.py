@@ -136,7 +136,7 @@ def quality_compress(chunks: Iterator[Chunk], *, ctx: RunContext, codecs: list[s
             if params.get("window"):
                 window = prefix_window(params["window"], chunk.start, chunk.end, stored_end(ctx.services, chunk.request))
                 params = {**params, "window": window}
-            chunk.payload = payloads.encode(chunk.kv, codec, **params)
+            chunk.payload = payloads.encode(chunk.kv, codec, key=chunk.key_str, **params)
             ctx.record(bytes=len(chunk.payload))
         yield chunk
 

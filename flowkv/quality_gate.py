@@ -89,7 +89,7 @@ def describe_codec(codec: str, params: Mapping[str, Any]) -> str:
 
 
 def codec_code_digest(codec: str) -> str:
-    """sha256 of the code that encodes and decodes with `codec`: its class and its bases' source and
+    """sha256 of the code that encodes and decodes with flowkv codec `codec`: its class and its bases' source and
     every module-level function of theirs they name (transitively).
 
     A record's agreement holds for the code that was measured: a change to how a codec quantizes
@@ -197,7 +197,7 @@ def check_gate(
             have = ", ".join(describe_codec(e["codec"], e["params"]) for e in data["codecs"]) or "nothing"
             problems.append(f"[quality] record {path} has no measurement of {describe_codec(codec, params)} "
                             f"(it measured: {have}); run 'flowkv quality' on this pipeline again")
-        elif entry.get("code_sha256") not in (None, codec_code_digest(codec)):
+        elif _flowkv_codec(codec) and entry.get("code_sha256") not in (None, codec_code_digest(codec)):
             problems.append(f"[quality] record {path} measured another version of {codec}'s code (its "
                             f"code_sha256 differs from this flowkv's): run 'flowkv quality' on this pipeline again")
         elif entry["agreement"] < min_agreement:

@@ -68,7 +68,7 @@ def compress(chunks: Iterator[Chunk], *, ctx: RunContext, config: CompressConfig
             if config.window:
                 params["window"] = prefix_window(config.window, chunk.start, chunk.end,
                                                  stored_end(ctx.services, chunk.request))
-            chunk.payload = payloads.encode(chunk.kv, config.codec, **params)
+            chunk.payload = payloads.encode(chunk.kv, config.codec, key=chunk.key_str, **params)
             ctx.record(bytes=len(chunk.payload))
         yield chunk
 
@@ -104,6 +104,7 @@ def decompress(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
                 chunk.payload,
                 expect_shape=services.chunk_shape(chunk.num_tokens),
                 expect_dtype=dtype,
+                expect_key=chunk.key_str,
             )
         except payloads.PayloadError as exc:
             services.storage.discard(chunk.key_str, chunk.tier, exc)

@@ -35,10 +35,10 @@ import torch
 from flowkv import stage
 from flowkv.items import Chunk
 from flowkv.pipeline import dumps_pipeline
-from flowkv.tiers.node_protocol import NodeConnection, segment_prefix
+from flowkv.tiers.node_protocol import NodeConnection, read_operator_token, segment_folder, segment_prefix
 
 ROOT = Path(__file__).resolve().parent.parent
-SHM = Path("/dev/shm")
+SHM = segment_folder()  # this user's 0700 folder under /dev/shm, where its servers' segments live
 # How long a server may take to say it is ready (python start and torch import): a readiness
 # wait, not a performance claim.
 READY_S = 60.0
@@ -49,8 +49,11 @@ class NodeServerProcess:
     """One ``flowkv server`` process on ``socket``; restartable on the same socket."""
 
     def __init__(self, socket: Path, *, memory: str = "64MiB", pipeline: str | Path | None = None,
-                 lease_timeout_s: float = 30.0, metrics: bool = True, log: Path | None = None) -> None:
+                 lease_timeout_s: float = 30.0, metrics: bool = True, log: Path | None = None,
+                 extra: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
         self.socket = socket
+        self.extra = list(extra)  # more `flowkv server` arguments
+        self.env = env  # the server's environment (default: this process's)
         self.memory = memory
         self.pipeline = pipeline
         self.lease_timeout_s = lease_timeout_s
@@ -66,8 +69,12 @@ class NodeServerProcess:
         return dict(part.split("=", 1) for part in self.ready_line.split()[2:] if "=" in part)
 
     def start(self) -> NodeServerProcess:
-        args = [sys.executable, "-m", "flowkv.cli", "server", "--socket", str(self.socket), "--memory", self.memory,
-                "--lease-timeout", str(self.lease_timeout_s)]
+        args = [sys.executable, "-m", "flowkv.cli", "server", "--memory", self.memory,
+                "--lease-timeout", str(self.lease_timeout_s), *self.extra]
+        if "--default-socket" in args:  # the test means: no --socket, the private default
+            args.remove("--default-socket")
+        else:
+            args += ["--socket", str(self.socket)]
         if self.pipeline is not None:
             args += ["--pipeline", str(self.pipeline)]
         if self.metrics:
@@ -76,7 +83,7 @@ class NodeServerProcess:
         with open(self.log, "a", encoding="utf-8") as log:
             log.write(f"--- start {self.starts}\n")
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=open(self.log, "a", encoding="utf-8"),
-                                     text=True, cwd=ROOT, start_new_session=True)
+                                     text=True, cwd=ROOT, start_new_session=True, env=self.env)
         found: list[str] = []
         reader = threading.Thread(target=lambda: found.append(self.proc.stdout.readline()), daemon=True)
         reader.start()
@@ -108,9 +115,10 @@ class NodeServerProcess:
             self.proc.kill()
             self.proc.wait(READY_S)
 
-    def connect(self, client: str = "test") -> NodeConnection:
+    def connect(self, client: str = "test", *, operator: bool = True) -> NodeConnection:
+        """A connection, with the operator token (read from beside the socket) unless ``operator`` is False."""
         conn = NodeConnection.connect(self.socket, timeout_s=10.0)
-        conn.hello(client)
+        conn.hello(client, operator_token=read_operator_token(self.socket) if operator else None)
         return conn
 
     def status(self) -> dict[str, Any]:
@@ -123,7 +131,7 @@ class NodeServerProcess:
     def segments(self) -> list[Path]:
         """This socket's shared-memory segments now in /dev/shm."""
         prefix = segment_prefix(self.socket)
-        return sorted(p for p in SHM.iterdir() if p.name.startswith(prefix))
+        return sorted(p for p in SHM.iterdir() if p.name.startswith(prefix)) if SHM.exists() else []
 
 
 @pytest.fixture(scope="module")

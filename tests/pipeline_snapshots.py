@@ -3,7 +3,8 @@
 Locations (the file, FILE:LINE:COL of each table, the stage function's own
 file:line) move when files are rearranged; what a pipeline does is the rest.
 ``tests/fixtures/effective/NAME.json`` holds each built-in pipeline's, taken
-from the files before they used ``extends``.
+from the files before they used ``extends`` (the node pipelines' socket since
+then a user's private default, named by a placeholder).
 """
 
 from __future__ import annotations
@@ -34,5 +35,13 @@ def write_snapshot(name: str, pipeline: Any) -> None:
     (SNAPSHOTS / f"{name}.json").write_text(json.dumps(effective(pipeline), indent=2, sort_keys=True) + "\n")
 
 
+# The node pipelines' socket is each user's private default (issue 25), not a fixed path: the
+# snapshots name it by this placeholder.
+DEFAULT_SOCKET = "<the private default socket>"
+
+
 def read_snapshot(name: str) -> dict[str, Any]:
-    return json.loads((SNAPSHOTS / f"{name}.json").read_text())
+    from flowkv.tiers.node_protocol import default_socket_path
+
+    text = (SNAPSHOTS / f"{name}.json").read_text()
+    return json.loads(text.replace(json.dumps(DEFAULT_SOCKET), json.dumps(str(default_socket_path()))))

@@ -280,11 +280,12 @@ def own_redis_server(tmp_path: Path):
 # -- payloads ------------------------------------------------------------------
 
 
-def make_payload(nbytes: int, seed: int = 0) -> bytes:
-    """A real flowkv payload (raw uint8 body) of ``nbytes``, or just its header when ``nbytes`` is smaller."""
+def make_payload(nbytes: int, seed: int = 0, *, key: str | None = None) -> bytes:
+    """A real flowkv payload (raw uint8 body) of ``nbytes``, or just its header when ``nbytes`` is smaller;
+    bound to ``key`` (a tier that checks keys, like the disk tier, refuses it under any other)."""
     body = random.Random(seed).randbytes(max(0, nbytes - _HEADER_BYTES))
     return payload.encode(torch.frombuffer(bytearray(body), dtype=torch.uint8) if body
-                          else torch.empty(0, dtype=torch.uint8))
+                          else torch.empty(0, dtype=torch.uint8), key=key)
 
 
 # A 1-D uint8 payload's header is the same length whatever its body's.

@@ -26,7 +26,6 @@ from flowkv.fleet.holder import EngineHolder  # noqa: E402
 from flowkv.fleet.node import default_server_name  # noqa: E402
 from flowkv.fleet.reporter import ReporterConfig  # noqa: E402
 from node_servers import ROOT, engine, keys_of, kv_for, node_pipeline, node_servers, slots_for  # noqa: E402, F401
-from flowkv.tiers.node_protocol import NodeConnection  # noqa: E402
 
 TOKEN = "node-token"
 TOKENS = 128  # 8 chunks of 16
@@ -109,7 +108,7 @@ def test_a_node_servers_chunks_count_for_every_instance_that_reads_through_it(co
         # Clear on the node server empties its arena, and lookups drop it.
         controller.post("/clear", {"instance_id": name})
         wait_for(lambda: not answers(controller, tokens), "the cleared prefix is gone from lookups")
-        conn = NodeConnection.connect(server.socket, timeout_s=10.0)
+        conn = server.connect("test-clear")  # snapshot is an operator's call: with the token beside the socket
         assert wait_for(lambda: conn.call("snapshot")["keys"] == [], "the server's arena is empty") is not None
         conn.close()
 

@@ -36,7 +36,8 @@ def resign(blob: bytes, **fields) -> bytes:
     rest = bytearray(blob[prefix.size : header_length - 8])
     body = blob[header_length:]
     if "params" in fields:
-        params_at = 8 * values[4] + (values[4] if values[1] >= 2 else 0)  # shape, then (v2) the dim order
+        # shape, then (v2) the dim order, then (v3) the key digest and option flags (none set)
+        params_at = 8 * values[4] + (values[4] if values[1] >= 2 else 0) + (18 if values[1] >= 3 else 0)
         params = json.dumps(fields.pop("params")).encode()
         rest = rest[:params_at] + params
         values[5] = len(params)
@@ -93,7 +94,7 @@ def test_accepts_bytes_bytearray_memoryview_and_noncontiguous_input():
     for form in (blob, bytearray(blob), memoryview(blob), memoryview(bytearray(blob))):
         assert torch.equal(decode(form), kv)
     # A multi-byte-format view of the same bytes is read as bytes.
-    padded = blob + b"\0" * (-len(blob) % 4)
+    padded = blob + b"\0" * (4 - len(blob) % 4)  # at least one byte past the body
     as_ints = memoryview(bytearray(padded)).cast("I")
     with pytest.raises(PayloadError, match="after its body"):
         decode(as_ints)
@@ -188,8 +189,8 @@ def test_rejects_wrong_magic_and_foreign_data():
 
 def test_rejects_unknown_version_even_with_valid_checksum():
     blob = encode(make_kv(), "none")
-    with pytest.raises(PayloadError, match="unsupported payload format version 3 \\(this flowkv reads 1 and 2\\)"):
-        decode(resign(blob, version=3))
+    with pytest.raises(PayloadError, match="unsupported payload format version 4 \\(this flowkv reads 1, 2 and 3\\)"):
+        decode(resign(blob, version=4))
 
 
 def test_rejects_unknown_codec_and_dtype_with_valid_checksum():
@@ -204,7 +205,8 @@ def test_rejects_unknown_codec_and_dtype_with_valid_checksum():
 
 def test_rejects_bad_stored_params():
     blob = encode(make_kv(), "zstd")
-    with pytest.raises(PayloadError, match="failed to decode.*no parameter 'levle'"):
+    # Checked with the header (so a tier's verify finds it), not first when a decode meets it.
+    with pytest.raises(PayloadError, match="do not validate.*no parameter 'levle'"):
         decode(resign(blob, params={"levle": 3}))
     with pytest.raises(PayloadError, match="not a JSON object"):
         read_header(resign(blob, params=[1, 2]))
@@ -230,8 +232,9 @@ def test_header_is_frozen_and_compact():
     assert isinstance(header, PayloadHeader)
     with pytest.raises(AttributeError):
         header.codec = "lz4"
-    # 32-byte prefix + 5 dims + their order (version 2) + "{}" params + 8-byte checksum.
-    assert header.header_length == 32 + 5 * 8 + 5 + 2 + 8
+    # 32-byte prefix + 5 dims + their order (version 2) + key digest and option flags (version 3)
+    # + "{}" params + 8-byte checksum.
+    assert header.header_length == 32 + 5 * 8 + 5 + 16 + 2 + 2 + 8
 
 
 def test_encode_rejects_bad_requests():
@@ -267,15 +270,16 @@ def chunk_in_engine_format(layout="cpu", dtype=torch.bfloat16, seed=3):
 
 
 def as_version_1(blob: bytes) -> bytes:
-    """The same payload as a flowkv before chunk format 2 wrote it (no order field);
-    only for payloads whose order is the identity."""
+    """The same payload as a flowkv before chunk format 2 wrote it (no order field, no key digest);
+    only for payloads whose order is the identity and that set no option."""
     prefix = struct.Struct("<4sHHBBHIQQ")
     values = list(prefix.unpack_from(blob))
     ndim, header_length = values[4], values[6]
     order_at = prefix.size + 8 * ndim
     assert tuple(blob[order_at:order_at + ndim]) == tuple(range(ndim))
-    rest = blob[prefix.size:order_at] + blob[order_at + ndim:header_length - 8]
-    values[1], values[6] = 1, header_length - ndim
+    assert blob[order_at + ndim + 16:order_at + ndim + 18] == b"\0\0"
+    rest = blob[prefix.size:order_at] + blob[order_at + ndim + 18:header_length - 8]
+    values[1], values[6] = 1, header_length - ndim - 18
     head = prefix.pack(*values) + rest
     return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + blob[header_length:]
 
@@ -331,3 +335,69 @@ def test_rejects_a_dim_order_that_is_not_a_permutation():
     struct.pack_into("<Q", blob, head_end - 8, xxhash.xxh3_64_intdigest(bytes(blob[:head_end - 8])))
     with pytest.raises(PayloadError, match="dim order .* is not a permutation"):
         read_header(bytes(blob))
+
+
+# -- version 3: the key digest and the option flags ------------------------------------
+
+
+def with_raw_params(blob: bytes, params: bytes) -> bytes:
+    """``blob`` with its codec parameters replaced by ``params`` (any bytes), re-signed as a forger would."""
+    prefix = struct.Struct("<4sHHBBHIQQ")
+    values = list(prefix.unpack_from(blob))
+    header = read_header(blob)
+    params_at = header.header_length - 8 - values[5]
+    head = bytearray(blob[:params_at]) + params
+    values[5], values[6] = len(params), len(head) + 8
+    head[:prefix.size] = prefix.pack(*values)
+    return bytes(head) + struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(head))) + blob[header.header_length:]
+
+
+def test_a_payload_read_under_another_key_or_no_key_is_refused():
+    kv = make_kv()
+    blob = encode(kv, "zstd", key="model/chunk-a")
+    assert read_header(blob).key_digest == payload.key_digest("model/chunk-a")
+    assert torch.equal(decode(blob, expect_key="model/chunk-a"), kv)
+    with pytest.raises(PayloadError, match="written for another key"):
+        decode(blob, expect_key="model/chunk-b")
+    with pytest.raises(PayloadError, match="written for another key"):
+        payload.verify(blob, expect_key="model/chunk-b")
+    unbound = encode(kv, "zstd")
+    assert torch.equal(decode(unbound), kv)  # no key asked: read as before
+    with pytest.raises(PayloadError, match="bound to no key"):
+        decode(unbound, expect_key="model/chunk-a")
+    with pytest.raises(PayloadError, match="bound to no key"):
+        decode(as_version_1(encode(make_kv(), "none")), expect_key="model/chunk-a")
+
+
+def test_a_segment_start_rides_in_the_options_and_an_unknown_option_is_refused():
+    kv = make_kv()
+    blob = encode(kv, "lz4", key="k", segment_start=4096)
+    header = read_header(blob, expect_key="k")
+    assert header.segment_start == 4096
+    assert header.header_length == read_header(encode(kv, "lz4", key="k")).header_length + 8
+    assert read_header(encode(kv, "lz4", key="k")).segment_start is None
+    assert torch.equal(decode(blob, expect_key="k"), kv)
+    # An option this flowkv does not know (a newer writer's): refused, never read without its field.
+    head = bytearray(blob[:header.header_length - 8])
+    options_at = 32 + 8 * kv.dim() + kv.dim() + 16
+    struct.pack_into("<H", head, options_at, 0b11)
+    forged = bytes(head) + struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(head))) + blob[header.header_length:]
+    with pytest.raises(PayloadError, match="options 0x3 this flowkv does not know"):
+        read_header(forged)
+    with pytest.raises(ValueError, match="segment_start"):
+        encode(kv, "none", segment_start=-1)
+
+
+@pytest.mark.parametrize("params", [
+    b"[" * 30_000 + b"]" * 30_000,  # nested past the parser's recursion limit
+    b'{"a":' * 10_000 + b"1" + b"}" * 10_000,
+    b'{"level": "fast"}',  # a wrong type
+    b'{"level": 1e400}',  # inf
+    b'{"level": [3]}',
+    b"\xff\xfe",
+])
+def test_every_parse_error_of_stored_codec_parameters_is_a_payload_error(params):
+    forged = with_raw_params(encode(make_kv(), "zstd", key="k"), params)
+    for read in (read_header, payload.verify, decode):
+        with pytest.raises(PayloadError):
+            read(forged)

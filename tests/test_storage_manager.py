@@ -113,7 +113,7 @@ def test_promotion_is_the_callers_choice(promote):
     disk = dict_tier("disk")
     storage = manager(disk=disk)
     kv = chunk(3)
-    disk.data["k"] = payloads.encode(kv, "none")
+    disk.data["k"] = payloads.encode(kv, "none", key="k")
     found = storage.read(Entry("k", "disk", tuple(kv.shape), kv.dtype), promote=promote)
     assert storage.contains("k") is promote
     if promote:

@@ -6,12 +6,14 @@ import os
 import shutil
 from pathlib import Path
 
+import anyio
 import attrs
 import pytest
 
 from flowkv.registry import resolve_tier
 from flowkv.tiers import DiskTier, DiskTierConfig, GuardedTier
 from flowkv.tiers.disk import key_digest
+from local_users import in_child_as_nobody, needs_root, shared_folder  # noqa: F401 - shared_folder is a fixture
 from redis_servers import make_payload
 
 pytestmark = pytest.mark.anyio
@@ -44,7 +46,7 @@ def file_of(root: Path, key: str) -> Path:
 
 async def test_round_trip_keeps_bytes_and_counts_hits(tmp_path: Path) -> None:
     tier = disk_tier(tmp_path)
-    entries = [(chunk_key(i), make_payload(10 * KIB + i, seed=i)) for i in range(5)]
+    entries = [(chunk_key(i), make_payload(10 * KIB + i, seed=i, key=chunk_key(i))) for i in range(5)]
     await tier.put(entries)
 
     assert await tier.exists([chunk_key(0), chunk_key(99), chunk_key(4)]) == [True, False, True]
@@ -61,7 +63,7 @@ async def test_keys_are_opaque_and_never_escape_the_folder(tmp_path: Path) -> No
     root = tmp_path / "cache"
     tier = disk_tier(root)
     hostile = ["../../etc/passwd", "/abs/path", "a/b/../c", "with space/ü/\\", "." , ""]
-    entries = [(key, make_payload(1 * KIB, seed=i)) for i, key in enumerate(hostile)]
+    entries = [(key, make_payload(1 * KIB, seed=i, key=key)) for i, key in enumerate(hostile)]
     await tier.put(entries)
 
     assert await tier.get(hostile) == [payload for _, payload in entries]
@@ -72,7 +74,7 @@ async def test_keys_are_opaque_and_never_escape_the_folder(tmp_path: Path) -> No
 
 
 async def test_restarted_tier_finds_the_cache_warm(tmp_path: Path) -> None:
-    entries = [(chunk_key(i), make_payload(4 * KIB, seed=i)) for i in range(8)]
+    entries = [(chunk_key(i), make_payload(4 * KIB, seed=i, key=chunk_key(i))) for i in range(8)]
     first = disk_tier(tmp_path)
     await first.put(entries)
     await first.aclose()
@@ -87,10 +89,10 @@ async def test_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
     size = 10 * KIB
     tier = disk_tier(tmp_path, capacity=3 * size)
     a, b, c, d = (chunk_key(i) for i in range(4))
-    await tier.put([(a, make_payload(size, 1)), (b, make_payload(size, 2)), (c, make_payload(size, 3))])
+    await tier.put([(k, make_payload(size, seed, key=k)) for k, seed in ((a, 1), (b, 2), (c, 3))])
     assert await tier.get([a]) != [None]  # a is now more recent than b
 
-    await tier.put([(d, make_payload(size, 4))])
+    await tier.put([(d, make_payload(size, 4, key=d))])
 
     assert await tier.exists([a, b, c, d]) == [True, False, True, True]
     assert not file_of(tmp_path, b).exists()
@@ -104,14 +106,14 @@ async def test_recency_survives_a_restart(tmp_path: Path) -> None:
     a, b, c, d = (chunk_key(i) for i in range(4))
     first = disk_tier(tmp_path, capacity=3 * size)
     for key, seed in ((a, 1), (b, 2), (c, 3)):
-        await first.put([(key, make_payload(size, seed))])
+        await first.put([(key, make_payload(size, seed, key=key))])
     await first.get([a])
     # Reading a stamps its file; give the stamps distinct times whatever the clock's grain.
     os.utime(file_of(tmp_path, b), (1_000_000, 1_000_000))
     os.utime(file_of(tmp_path, c), (1_000_001, 1_000_001))
 
     second = disk_tier(tmp_path, capacity=3 * size)
-    await second.put([(d, make_payload(size, 4))])
+    await second.put([(d, make_payload(size, 4, key=d))])
     assert await second.exists([a, b, c, d]) == [True, False, True, True]
 
 
@@ -119,7 +121,7 @@ async def test_smaller_capacity_on_restart_sheds_oldest(tmp_path: Path) -> None:
     size = 10 * KIB
     first = disk_tier(tmp_path, capacity=10 * size)
     for i in range(4):
-        await first.put([(chunk_key(i), make_payload(size, i))])
+        await first.put([(chunk_key(i), make_payload(size, i, key=chunk_key(i)))])
         os.utime(file_of(tmp_path, chunk_key(i)), (1_000_000 + i, 1_000_000 + i))
 
     second = disk_tier(tmp_path, capacity=2 * size)
@@ -129,7 +131,7 @@ async def test_smaller_capacity_on_restart_sheds_oldest(tmp_path: Path) -> None:
 
 async def test_payload_larger_than_capacity_is_declined(tmp_path: Path) -> None:
     tier = disk_tier(tmp_path, capacity=4 * KIB)
-    await tier.put([(chunk_key(0), make_payload(8 * KIB))])
+    await tier.put([(chunk_key(0), make_payload(8 * KIB, key=chunk_key(0)))])
     assert await tier.exists([chunk_key(0)]) == [False]
     assert tier.stats()["too_large"] == 1
 
@@ -137,18 +139,18 @@ async def test_payload_larger_than_capacity_is_declined(tmp_path: Path) -> None:
 async def test_admission_writes_only_keys_offered_twice(tmp_path: Path) -> None:
     tier = disk_tier(tmp_path, admit_after=2)
     once, twice = chunk_key(1), chunk_key(2)
-    await tier.put([(once, make_payload(KIB, 1)), (twice, make_payload(KIB, 2))])
+    await tier.put([(once, make_payload(KIB, 1, key=once)), (twice, make_payload(KIB, 2, key=twice))])
     assert await tier.exists([once, twice]) == [False, False]
     assert payload_files(tmp_path) == []
 
-    await tier.put([(twice, make_payload(KIB, 2))])
+    await tier.put([(twice, make_payload(KIB, 2, key=twice))])
     assert await tier.exists([once, twice]) == [False, True]
     assert tier.stats()["admission_declined"] == 2
 
 
 async def test_flipped_byte_is_a_miss_and_the_file_goes(tmp_path: Path) -> None:
     tier = disk_tier(tmp_path)
-    key, payload = chunk_key(7), make_payload(16 * KIB, 7)
+    key, payload = chunk_key(7), make_payload(16 * KIB, 7, key=chunk_key(7))
     await tier.put([(key, payload)])
     path = file_of(tmp_path, key)
     blob = bytearray(path.read_bytes())
@@ -164,7 +166,7 @@ async def test_flipped_byte_is_a_miss_and_the_file_goes(tmp_path: Path) -> None:
 
 async def test_truncated_file_is_a_miss(tmp_path: Path) -> None:
     tier = disk_tier(tmp_path)
-    key, payload = chunk_key(8), make_payload(16 * KIB, 8)
+    key, payload = chunk_key(8), make_payload(16 * KIB, 8, key=chunk_key(8))
     await tier.put([(key, payload)])
     path = file_of(tmp_path, key)
     with open(path, "r+b") as file:
@@ -179,7 +181,7 @@ async def test_truncated_file_is_a_miss(tmp_path: Path) -> None:
 async def test_leftover_temp_files_are_removed_on_start(tmp_path: Path) -> None:
     tier = disk_tier(tmp_path)
     key = chunk_key(3)
-    await tier.put([(key, make_payload(KIB, 3))])
+    await tier.put([(key, make_payload(KIB, 3, key=key))])
     shard = file_of(tmp_path, key).parent
     digest = key_digest(chunk_key(4))
     leftover = shard / f".{digest}.4242.deadbeef.tmp"
@@ -189,7 +191,7 @@ async def test_leftover_temp_files_are_removed_on_start(tmp_path: Path) -> None:
     assert not leftover.exists()
     assert restarted.stats()["temp_files_removed"] == 1
     assert restarted.stats()["entries"] == 1
-    assert await restarted.get([key, chunk_key(4)]) == [make_payload(KIB, 3), None]
+    assert await restarted.get([key, chunk_key(4)]) == [make_payload(KIB, 3, key=key), None]
 
 
 async def test_folder_that_is_a_file_degrades_to_misses(tmp_path: Path) -> None:
@@ -197,7 +199,7 @@ async def test_folder_that_is_a_file_degrades_to_misses(tmp_path: Path) -> None:
     blocker.write_text("occupied")
     tier = disk_tier(blocker)
 
-    await tier.put([(chunk_key(1), make_payload(KIB, 1))])
+    await tier.put([(chunk_key(1), make_payload(KIB, 1, key=chunk_key(1)))])
     assert await tier.get([chunk_key(1)]) == [None]
     assert await tier.exists([chunk_key(1)]) == [False]
     assert tier.stats()["write_errors"] == 1
@@ -206,12 +208,12 @@ async def test_folder_that_is_a_file_degrades_to_misses(tmp_path: Path) -> None:
 async def test_folder_lost_while_running_degrades_to_misses(tmp_path: Path) -> None:
     root = tmp_path / "cache"
     tier = GuardedTier(disk_tier(root), timeout_s=5.0)
-    await tier.put([(chunk_key(1), make_payload(KIB, 1))])
+    await tier.put([(chunk_key(1), make_payload(KIB, 1, key=chunk_key(1)))])
     shutil.rmtree(root)
     root.write_text("the disk went away")
 
     assert await tier.get([chunk_key(1)]) == [None]
-    await tier.put([(chunk_key(2), make_payload(KIB, 2))])
+    await tier.put([(chunk_key(2), make_payload(KIB, 2, key=chunk_key(2)))])
     assert await tier.get([chunk_key(2)]) == [None]
     stats = tier.stats()
     assert stats["read_errors"] == 1 and stats["write_errors"] == 1
@@ -222,36 +224,46 @@ async def test_folder_lost_while_running_degrades_to_misses(tmp_path: Path) -> N
 async def test_folder_removed_while_running_is_made_again_by_the_next_write(tmp_path: Path) -> None:
     root = tmp_path / "cache"
     tier = disk_tier(root)
-    await tier.put([(chunk_key(1), make_payload(KIB, 1))])
+    await tier.put([(chunk_key(1), make_payload(KIB, 1, key=chunk_key(1)))])
     shutil.rmtree(root)  # an operator or a cleaner, not a lost disk
 
     # A key in the same shard folder as the lost one: its write makes the folders again, first time.
     same_shard = next(chunk_key(i) for i in range(2, 10_000) if key_digest(chunk_key(i))[:2] == key_digest(chunk_key(1))[:2])
-    await tier.put([(same_shard, make_payload(KIB, 2))])
-    assert await tier.get([same_shard]) == [make_payload(KIB, 2)]
+    await tier.put([(same_shard, make_payload(KIB, 2, key=same_shard))])
+    assert await tier.get([same_shard]) == [make_payload(KIB, 2, key=same_shard)]
     assert await tier.get([chunk_key(1)]) == [None]
     assert tier.stats()["write_errors"] == 0 and file_of(root, same_shard).exists()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file permissions")
-async def test_permission_denied_degrades_to_misses(tmp_path: Path) -> None:
-    root = tmp_path / "cache"
-    tier = disk_tier(root)
-    await tier.put([(chunk_key(1), make_payload(KIB, 1))])
-    os.chmod(file_of(root, chunk_key(1)), 0)
-    root.chmod(0o500)
-    try:
-        await tier.put([(chunk_key(2), make_payload(KIB, 2))])
-        assert await tier.get([chunk_key(1), chunk_key(2)]) == [None, None]
-        assert tier.stats()["write_errors"] == 1 and tier.stats()["read_errors"] == 1
-    finally:
-        root.chmod(0o700)
+@needs_root
+def test_permission_denied_degrades_to_misses(shared_folder: Path) -> None:
+    # Root ignores file modes: the tier runs as nobody (a forked child that dropped privileges).
+    root = shared_folder / "cache"
+
+    def as_another_user() -> dict:
+        async def main() -> dict:
+            tier = disk_tier(root)
+            await tier.put([(chunk_key(1), make_payload(KIB, 1, key=chunk_key(1)))])
+            os.chmod(file_of(root, chunk_key(1)), 0)
+            root.chmod(0o500)
+            try:
+                await tier.put([(chunk_key(2), make_payload(KIB, 2, key=chunk_key(2)))])
+                got = await tier.get([chunk_key(1), chunk_key(2)])
+                return {**tier.stats(), "answers": [blob is None for blob in got]}
+            finally:
+                root.chmod(0o700)
+
+        return anyio.run(main)
+
+    stats = in_child_as_nobody(as_another_user)
+    assert stats["answers"] == [True, True]  # both misses
+    assert stats["write_errors"] == 1 and stats["read_errors"] == 1
 
 
 async def test_fsync_mode_round_trips(tmp_path: Path) -> None:
     tier = disk_tier(tmp_path, fsync=True)
-    await tier.put([(chunk_key(1), make_payload(KIB, 1))])
-    assert await tier.get([chunk_key(1)]) == [make_payload(KIB, 1)]
+    await tier.put([(chunk_key(1), make_payload(KIB, 1, key=chunk_key(1)))])
+    assert await tier.get([chunk_key(1)]) == [make_payload(KIB, 1, key=chunk_key(1))]
     assert [p.name for p in file_of(tmp_path, chunk_key(1)).parent.iterdir()] == [file_of(tmp_path, chunk_key(1)).name]
 
 
@@ -276,8 +288,8 @@ async def test_real_payloads_are_checked_by_default(tmp_path: Path) -> None:
 
     tier = DiskTier(name="disk", config=DiskTierConfig(path=str(tmp_path), capacity=1 << 20))
     kv = torch.arange(2 * 2 * 16 * 4 * 8, dtype=torch.float32).reshape(2, 2, 16, 4, 8).half()
-    blobs = [payload.encode(kv + i, "zstd") for i in range(3)]
     keys = [chunk_key(i) for i in range(3)]
+    blobs = [payload.encode(kv + i, "zstd", key=keys[i]) for i in range(3)]
     await tier.put(list(zip(keys, blobs)))
     flipped = bytearray(blobs[1])
     flipped[-3] ^= 0x10

@@ -123,7 +123,7 @@ async def test_a_filesystem_filled_by_others_evicts_instead_of_failing(small_fs,
     caplog.clear()
     fill(small_fs / "foreign", leave=8 * MIB)  # after the start-up check: the tier learns by ENOSPC
 
-    payloads = {key(i): make_payload(PAYLOAD, seed=i) for i in range(80)}  # 20 MiB in all
+    payloads = {key(i): make_payload(PAYLOAD, seed=i, key=key(i)) for i in range(80)}  # 20 MiB in all
     items = list(payloads.items())
     for start in range(0, len(items), 16):  # batches as write-behind sends them
         await tier.put(items[start:start + 16])
@@ -151,13 +151,13 @@ async def test_writes_that_cannot_fit_report_degraded_until_space_returns(small_
     root = small_fs / "cache"
     tier = GuardedTier(DiskTier(name="disk", config=DiskTierConfig(path=str(root), capacity=CAPACITY), clock=clock),
                        timeout_s=30.0)
-    kept = make_payload(PAYLOAD, seed=-1)
+    kept = make_payload(PAYLOAD, seed=-1, key=key(-1))
     await tier.put([(key(-1), kept)])
     caplog.clear()
     foreign = fill(small_fs / "foreign")  # full: not even evicting everything makes room
 
     for i in range(5):
-        await tier.put([(key(i), make_payload(PAYLOAD, seed=i))])
+        await tier.put([(key(i), make_payload(PAYLOAD, seed=i, key=key(i)))])
     stats = tier.stats()
     assert stats["degraded"] == 1 and stats["healthy"] == 0
     assert stats["writes"] == 1 and stats["write_errors"] == 5
@@ -167,17 +167,17 @@ async def test_writes_that_cannot_fit_report_degraded_until_space_returns(small_
     assert "degraded" in warning and "1 write(s) failed" in warning
 
     clock.now += 61  # the next warning may go out, and counts the failures it did not report
-    await tier.put([(key(5), make_payload(PAYLOAD, seed=5))])
+    await tier.put([(key(5), make_payload(PAYLOAD, seed=5, key=key(5)))])
     assert "5 write(s) failed" in disk_warnings(caplog)[-1]
 
     foreign.unlink()
     clock.now += 31  # the tier measures the filesystem again
     caplog.clear()
-    await tier.put([(key(6), make_payload(PAYLOAD, seed=6))])
+    await tier.put([(key(6), make_payload(PAYLOAD, seed=6, key=key(6)))])
     stats = tier.stats()
     assert stats["degraded"] == 0 and stats["healthy"] == 1
     assert stats["capacity"] > 10 * MIB
-    assert await tier.get([key(6)]) == [make_payload(PAYLOAD, seed=6)]
+    assert await tier.get([key(6)]) == [make_payload(PAYLOAD, seed=6, key=key(6))]
     assert any("writes succeed again" in line for line in disk_warnings(caplog))
 
 

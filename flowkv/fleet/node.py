@@ -154,11 +154,11 @@ class NodeFollower:
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)
 
     def _connect(self) -> None:
-        from flowkv.tiers.node_protocol import NodeConnection
+        from flowkv.tiers.node_protocol import NodeConnection, read_operator_token
 
         conn = NodeConnection.connect(self.socket_path, timeout_s=self.timeout_s)
         try:
-            hello = conn.hello(f"flowkv-fleet:{self.name}")
+            hello = conn.hello(f"flowkv-fleet:{self.name}", operator_token=read_operator_token(self.socket_path))
         except Exception:
             conn.close()
             raise
@@ -178,12 +178,13 @@ class NodeFollower:
     # -- on the reporter's thread ------------------------------------------------------------
 
     def _call(self, op: str, **fields: Any) -> dict[str, Any]:
-        from flowkv.tiers.node_protocol import NodeConnection, NodeUnavailable
+        from flowkv.tiers.node_protocol import NodeConnection, NodeUnavailable, read_operator_token
 
         with self._side_lock:
             if self._side is None or self._side.closed:
                 self._side = NodeConnection.connect(self.socket_path, timeout_s=self.timeout_s)
-                self._side.hello(f"flowkv-fleet:{self.name}:commands")
+                self._side.hello(f"flowkv-fleet:{self.name}:commands",
+                                 operator_token=read_operator_token(self.socket_path))
             try:
                 return self._side.call(op, **fields)
             except NodeUnavailable:

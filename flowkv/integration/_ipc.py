@@ -13,6 +13,13 @@ request carries a sequence number that its reply echoes: a reply that arrives
 after the scheduler gave up on it is recognised and dropped, never taken for
 the answer to a newer question.
 
+Trust: the folder is this user's own (0700; an existing one of another
+owner, or with a looser mode, is refused with an error that says so), so no
+other user can unlink a worker's socket and bind an impostor there; and the
+scheduler checks who listens on each worker socket (``SO_PEERCRED``: the
+same uid) before its lookup socket connects to it, so nothing is sent to a
+listener of another user whatever put it there.
+
 Socket files: each vLLM start has a new instance id, so a worker that did not
 get to close its socket (killed: vLLM's default ``--shutdown-timeout 0``
 kills its workers) leaves a file no later start would reuse. A server
@@ -40,6 +47,8 @@ from typing import Any
 
 import numpy as np
 import zmq
+
+from flowkv.local_peers import check_peer, private_folder
 
 logger = logging.getLogger("flowkv.integration")
 
@@ -181,7 +190,7 @@ class LookupServer:
 
     def start(self) -> None:
         """Bind the socket and start serving; raises if the socket cannot be bound."""
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_folder(self.path.parent, what="flowkv IPC")  # refused when another user could write it
         remove_stale_sockets(self.path.parent)
         if self.path.exists():
             # A leftover of a crashed process with the same instance id; binding would fail.
@@ -273,16 +282,21 @@ class LookupClient:
         if timeout_ms <= 0:
             raise ValueError(f"lookup timeout must be positive, got {timeout_ms} ms")
         self.timeout_ms = timeout_ms
+        self._paths = [Path(path) for path in paths]
+        for folder in dict.fromkeys(path.parent for path in self._paths):
+            private_folder(folder, what="flowkv IPC")
         self._context = zmq.Context()
         self._sockets: list[zmq.Socket] = []
-        for path in paths:
+        for _ in self._paths:
             socket = self._context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
             # Queue nothing for a worker that is not connected: a send fails at once.
             socket.setsockopt(zmq.IMMEDIATE, 1)
             socket.setsockopt(zmq.SNDHWM, 1024)
-            socket.connect(f"ipc://{path}")
-            self._sockets.append(socket)
+            self._sockets.append(socket)  # connected once its listener is checked (_trusted)
+        # (device, inode) of the socket file whose listener was checked, per worker
+        self._checked: list[tuple[int, int] | None] = [None] * len(self._paths)
+        self._refused: set[tuple[int, int]] = set()  # socket files refused (logged once each)
         self._responsive = [True] * len(self._sockets)
         self._seq = itertools.count(1)
         # vLLM's scheduler is single-threaded, but a test or tool may share a client.
@@ -304,7 +318,8 @@ class LookupClient:
             message = _json_bytes({**header, "seq": seq})
             deadline = time.monotonic() + self.timeout_ms / 1000
             replies: list[dict[str, Any] | None] = [None] * len(self._sockets)
-            sent = [self._send(socket, [message, body], deadline) for socket in self._sockets]
+            sent = [self._trusted(rank) and self._send(socket, [message, body], deadline)
+                    for rank, socket in enumerate(self._sockets)]
             poller = zmq.Poller()
             for socket in self._sockets:
                 poller.register(socket, zmq.POLLIN)
@@ -339,11 +354,52 @@ class LookupClient:
         message = _json_bytes({**header, "oneway": True})
         body = _encode_tokens(tokens)
         with self._lock:
-            for socket in self._sockets:
+            for rank, socket in enumerate(self._sockets):
+                if not self._trusted(rank):
+                    continue
                 try:
                     socket.send_multipart([message, body], flags=zmq.NOBLOCK)
                 except zmq.Again:
                     pass  # that worker is gone; its pins time out there
+
+    def _trusted(self, rank: int) -> bool:
+        """Whether worker ``rank``'s socket is served by a process of this user; connects it the first time.
+
+        Checked again whenever the socket file changes (a restarted worker):
+        a lookup socket is connected only to a listener whose credentials
+        (``SO_PEERCRED``) were seen, so not even ZeroMQ's greeting goes to
+        anyone else. One ``lstat`` per question when nothing changed.
+        """
+        path = self._paths[rank]
+        try:
+            info = os.lstat(path)
+        except OSError:
+            return False  # not bound yet (or gone): like a worker not connected
+        identity = (info.st_dev, info.st_ino)
+        if self._checked[rank] == identity:
+            return True
+        if identity in self._refused:
+            return False
+        probe = stdlib_socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            if not stat.S_ISSOCK(info.st_mode):
+                raise PermissionError(f"flowkv IPC: {path} is not a socket")
+            probe.connect(str(path))
+            check_peer(probe, what=f"flowkv IPC {path}")
+        except PermissionError as exc:
+            self._refused.add(identity)
+            logger.error("%s; worker rank %d answers no lookups", exc, rank)
+            return False
+        except OSError:
+            return False  # not listening yet
+        finally:
+            probe.close()
+        if self._checked[rank] is not None:
+            self._sockets[rank].disconnect(f"ipc://{path}")
+        self._sockets[rank].connect(f"ipc://{path}")
+        self._checked[rank] = identity
+        return True
 
     @staticmethod
     def _send(socket: zmq.Socket, frames: list[bytes], deadline: float) -> bool:
@@ -377,7 +433,7 @@ class LookupClient:
     def _ping_unresponsive(self) -> None:
         ping = _json_bytes({"op": "ping", "seq": 0})
         for rank, socket in enumerate(self._sockets):
-            if not self._responsive[rank]:
+            if not self._responsive[rank] and self._trusted(rank):
                 try:
                     socket.send_multipart([ping, b""], flags=zmq.NOBLOCK)
                 except zmq.Again:

@@ -2,8 +2,11 @@
 
 ::
 
-    flowkv server --socket /run/flowkv/node.sock --memory 64GiB [--pipeline FILE] [--metrics-port 9464]
-    flowkv server status --socket /run/flowkv/node.sock [--json]
+    flowkv server --memory 64GiB [--socket PATH] [--pipeline FILE] [--metrics-port 9464] [--group NAME]
+    flowkv server status [--socket PATH] [--json]
+
+Without ``--socket`` both use the private default (``node_protocol.default_socket_path``:
+``$XDG_RUNTIME_DIR/flowkv/node.sock``, else ``/run/flowkv-UID/`` or ``~/.cache/flowkv/run/``).
 """
 
 from __future__ import annotations
@@ -23,13 +26,17 @@ def add_commands(sub: Any) -> None:
     """Add ``server`` to the ``flowkv`` command's subcommands."""
     parser = sub.add_parser(
         "server", help="run the node server (one cache per node, shared by every vLLM on it), or ask for its status",
-        description="flowkv server --socket PATH --memory SIZE [--pipeline FILE] [--metrics-port N]\n"
-                    "flowkv server status --socket PATH [--json]",
+        description="flowkv server --memory SIZE [--socket PATH] [--pipeline FILE] [--metrics-port N]\n"
+                    "flowkv server status [--socket PATH] [--json]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("action", nargs="?", choices=("run", "status"), default="run",
                         help="run (default) or status")
-    parser.add_argument("--socket", required=True, help="the Unix socket the server listens on")
+    parser.add_argument("--socket", help="the Unix socket the server listens on (default: a private one, "
+                        "$XDG_RUNTIME_DIR/flowkv/node.sock or /run/flowkv-UID/node.sock or "
+                        "~/.cache/flowkv/run/node.sock; the server tier finds it the same way)")
+    parser.add_argument("--group", help="a group whose members may use the server too (run; default: its own "
+                        "user only)")
     parser.add_argument("--memory", help="size of the shared arena, e.g. 64GiB (run)")
     parser.add_argument("--pipeline", help="server pipeline file or built-in name: its lower tiers "
                         "(disk, Redis), the codec written to them, [telemetry] (run)")
@@ -87,13 +94,23 @@ def _serve(args: argparse.Namespace) -> int:
             return 1
     from flowkv.server.daemon import NodeServer, ServerOptions
 
+    group = None
+    if args.group:
+        import grp
+
+        try:
+            group = int(args.group) if args.group.isdigit() else grp.getgrnam(args.group).gr_gid
+        except KeyError:
+            print(f"flowkv server: no group {args.group!r}", file=sys.stderr)
+            return 2
+
     options = ServerOptions(socket_path=args.socket, memory_bytes=memory, pipeline=pipeline,
                             lease_timeout_s=args.lease_timeout, max_pin_s=args.max_pin, slab_bytes=slab,
                             metrics_port=args.metrics_port, metrics_host=args.metrics_host, shm_dir=args.shm_dir,
-                            name=args.name, prefault=args.prefault)
+                            name=args.name, prefault=args.prefault, group=group)
     try:
         server = NodeServer(options)
-    except (OSError, ValueError, MemoryError) as exc:
+    except (OSError, ValueError, MemoryError) as exc:  # PermissionError: a folder another user could write
         print(f"flowkv server: cannot start: {exc}", file=sys.stderr)
         return 1
 
@@ -112,11 +129,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from flowkv.tiers.node_protocol import NodeConnection, NodeError, NodeUnavailable
+    from flowkv.tiers.node_protocol import NodeConnection, NodeError, NodeUnavailable, default_socket_path
+    from flowkv.tiers.node_protocol import read_operator_token
 
+    path = args.socket or default_socket_path()
     try:
-        conn = NodeConnection.connect(args.socket, timeout_s=args.timeout)
-        conn.hello("flowkv-server-status")
+        conn = NodeConnection.connect(path, timeout_s=args.timeout)
+        conn.hello("flowkv-server-status", operator_token=read_operator_token(path))
         status = conn.call("stats")
         conn.close()
     except (NodeUnavailable, NodeError, ValueError) as exc:

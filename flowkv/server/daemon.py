@@ -41,7 +41,7 @@ import queue
 import secrets
 import signal
 import socket
-import struct
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from flowkv import payload as payloads
+from flowkv.local_peers import PeerCredentials, peer_credentials, private_folder
 from flowkv.memory import MemoryArena
 from flowkv.pipeline_model import Pipeline, TelemetrySpec
 from flowkv.resident import PREFAULT_MODES, ResidentBuffer
@@ -62,6 +63,9 @@ __all__ = ["NodeServer", "ServerOptions"]
 log = logging.getLogger("flowkv.server")
 
 _MAX_KEY = 4096  # characters: keys are short printable strings
+_MAX_ITEMS = 1 << 16  # keys, sizes, items or handles in one request (a 16M-token prompt in 256-token chunks)
+_MAX_DIMS = 8  # dims of a chunk's shape (flowkv's have 5 or 6)
+_MAX_SECONDS = 1e9  # the largest pin or wait a client may ask for before it is clamped
 _EVENTS_KEPT = 65536
 
 
@@ -88,12 +92,17 @@ class _Counters:
 class ServerOptions:
     """What ``flowkv server`` was started with."""
 
-    def __init__(self, *, socket_path: str | os.PathLike[str], memory_bytes: int, pipeline: Pipeline | None = None,
+    def __init__(self, *, socket_path: str | os.PathLike[str] | None = None, memory_bytes: int,
+                 pipeline: Pipeline | None = None,
                  lease_timeout_s: float = 30.0, max_pin_s: float = 60.0, slab_bytes: int | None = None,
                  metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
                  shm_dir: str | os.PathLike[str] = "/dev/shm", workers: int = 4, name: str | None = None,
-                 prefault: str = "background") -> None:
-        self.socket_path = Path(socket_path)
+                 prefault: str = "background", group: int | None = None) -> None:
+        #: the default (``node_protocol.default_socket_path``) lives in a folder only this user may use
+        self.default_socket = socket_path is None
+        self.socket_path = wire.default_socket_path() if socket_path is None else Path(socket_path)
+        #: a group whose members may use the server too (socket 0660, segment 0660 and its folder 0750)
+        self.group = group
         #: a stable name for this node's cache (a fleet controller's holder id); the id changes every start
         self.name = name or f"{socket.gethostname()}:{self.socket_path}"
         self.memory_bytes = int(memory_bytes)
@@ -122,6 +131,8 @@ class NodeServer:
         self.started = time.time()
         self.counters = _Counters()
         self.leases = LeaseTable(lease_timeout_s=options.lease_timeout_s)
+        self.operator_token = secrets.token_hex(32)
+        self.segment_dir = wire.segment_folder(options.shm_dir, group=options.group)
         self._remove_stale_segments()
         self.segment = self._create_segment()
         self.segment_path = self.segment.path
@@ -153,6 +164,8 @@ class NodeServer:
         self._writers: set[asyncio.StreamWriter] = set()
         self._stopping: asyncio.Event | None = None
         self.metrics_url: str | None = None
+        self._malformed_logged = False
+        self._written_by: dict[str, int | None] = {}  # key -> the uid that committed it (arena entries)
 
     # -- the segment -----------------------------------------------------------
 
@@ -169,23 +182,43 @@ class NodeServer:
             raise ValueError(f"--memory {self.options.memory_bytes / 2**30:.2f} GiB does not fit "
                              f"{self.options.shm_dir}: {room / 2**30:.2f} GiB free there (df -h "
                              f"{self.options.shm_dir}; in a container, --shm-size)")
+        private_folder(self.segment_dir, what="flowkv server segments", group=self.options.group)
+        if self.options.group is not None:  # members map the segment too: the folder 0750, the file 0660
+            os.chown(self.segment_dir, -1, self.options.group)
+            os.chmod(self.segment_dir, 0o750)
         prefix = wire.segment_prefix(self.options.socket_path)
-        path = self.options.shm_dir / f"{prefix}{os.getpid()}-{secrets.token_hex(4)}"
+        path = self.segment_dir / f"{prefix}{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            return ResidentBuffer.shared(path, self.options.memory_bytes, prefault=self.options.prefault)
+            segment = ResidentBuffer.shared(path, self.options.memory_bytes, prefault=self.options.prefault)
+            if self.options.group is not None:
+                os.chown(path, -1, self.options.group)
+                os.chmod(path, 0o660)
+            return segment
         except BaseException:
             path.unlink(missing_ok=True)
             raise
 
     def _remove_stale_segments(self) -> None:
-        """Segments left by servers on this socket that died without cleaning up (kill -9)."""
+        """Segments left by servers on this socket that died without cleaning up (kill -9).
+
+        Only in this user's own segment folder, and only regular files of
+        this user: nothing another user planted is touched (nor can it be
+        there), and a link is never followed.
+        """
         prefix = wire.segment_prefix(self.options.socket_path)
         try:
-            names = [p for p in self.options.shm_dir.iterdir() if p.name.startswith(prefix)]
+            names = [p for p in self.segment_dir.iterdir() if p.name.startswith(prefix)]
         except OSError:
             return
         for path in names:
             pid_text = path.name[len(prefix):].split("-", 1)[0]
+            try:
+                info = path.lstat()
+            except OSError:
+                continue
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                log.warning("flowkv server: leaving %s alone: not a segment file of this user", path)
+                continue
             if pid_text.isdigit() and not _alive(int(pid_text)):
                 log.warning("flowkv server: removing %s, left by server pid %s", path, pid_text)
                 path.unlink(missing_ok=True)
@@ -217,6 +250,8 @@ class NodeServer:
     # -- events for a fleet controller ------------------------------------------
 
     def _on_event(self, event: TierEvent) -> None:
+        if event.kind != "admit" and event.tier == "memory":
+            self._written_by.pop(event.key, None)
         with self._event_lock:
             self._event_seq += 1
             self._events.append((self._event_seq, event.kind, event.tier, event.key))
@@ -231,8 +266,16 @@ class NodeServer:
         self._stopping = asyncio.Event()
         self._new_events = asyncio.Event()
         path = self.options.socket_path
+        if self.options.default_socket:
+            private_folder(path.parent, what="flowkv server socket", group=self.options.group)
         _claim_socket_path(path)
         server = await asyncio.start_unix_server(self._client, path=str(path))
+        # 0600 (0660 with a group) whatever the umask; the default folder is private besides.
+        if self.options.group is not None:
+            os.chown(path, -1, self.options.group)
+        os.chmod(path, 0o660 if self.options.group is not None else 0o600)
+        token_file = wire.operator_token_path(path)
+        _write_private(token_file, self.operator_token)
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._loop.add_signal_handler(signum, self._stopping.set)
         metrics = None
@@ -257,6 +300,7 @@ class NodeServer:
                 metrics.shutdown()
             await self._loop.run_in_executor(None, self.close)
             path.unlink(missing_ok=True)
+            token_file.unlink(missing_ok=True)
 
     def close(self) -> None:
         """Drain committed chunks to the lower tiers, flush write-behind, close tiers, remove the segment."""
@@ -280,6 +324,8 @@ class NodeServer:
             for owner in owners:
                 self.leases.reclaimed["pins"] += self.memory.release_owner(owner)
                 self.storage.release(owner)
+            # Owners whose pins all ran out (a client that never released them) leave the table too.
+            self.leases.prune_owners(self.storage.holds_pins)
             if handles or owners:
                 log.info("flowkv server: reclaimed %d handles and the pins of %d owners of clients gone "
                          "over %.1f s", len(handles), len(owners), self.options.lease_timeout_s)
@@ -287,7 +333,18 @@ class NodeServer:
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         session = self.leases.open()
-        session.pid = _peer_pid(writer)
+        peer = _peer(writer)
+        if peer is None or not (peer.uid == os.geteuid() or (self.options.group is not None
+                                                              and peer.gid == self.options.group)):
+            # The socket's mode keeps others out; this is the second lock (a socket path given in /tmp).
+            log.warning("flowkv server: refusing a client of uid %s", None if peer is None else peer.uid)
+            self.counters.count("clients_refused")
+            self.leases.close(session)
+            writer.close()
+            return
+        session.pid, session.uid = peer.pid, peer.uid
+        # Named by its credentials and connection, never by what it declares.
+        session.client = f"uid{peer.uid}:pid{peer.pid}:c{session.id}"
         self._writers.add(writer)
         try:
             while True:
@@ -299,9 +356,13 @@ class NodeServer:
                     await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client hung up (exited, killed, or gave up on a call)
-        except ValueError as exc:
-            log.warning("flowkv server: dropping client %s (session %d): unreadable message: %s",
-                        session.client, session.id, exc)
+        except ValueError as exc:  # not a frame, not strict JSON, or not an object: the client is dropped
+            self.counters.count("malformed_frames")
+            # One line the first time, no traceback: a client sending garbage in a loop must not fill the log.
+            level = logging.DEBUG if self._malformed_logged else logging.WARNING
+            self._malformed_logged = True
+            log.log(level, "flowkv server: dropping client %s (session %d): unreadable message: %.200s "
+                    "(further ones are counted in requests.malformed_frames)", session.client, session.id, exc)
         finally:
             self._writers.discard(writer)
             self.leases.close(session)
@@ -316,7 +377,7 @@ class NodeServer:
                 raise RequestError(f"unknown op {op!r}")
             reply = await handler(self, session, message, span)
             return {"ok": True, **reply}
-        except (RequestError, KeyError, TypeError, ValueError) as exc:
+        except (RequestError, KeyError, TypeError, ValueError, ArithmeticError) as exc:
             self.counters.count("request_errors")
             if span is not None:
                 span.set_attribute("flowkv.error", f"{type(exc).__name__}: {exc}")
@@ -343,9 +404,12 @@ class NodeServer:
     # -- requests ------------------------------------------------------------------
 
     async def _hello(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
-        session.client = _text(message.get("client"), "client")
-        if session.pid is None and isinstance(message.get("pid"), int):
-            session.pid = message["pid"]
+        session.label = _text(message.get("client"), "client")  # shown in stats; names nothing
+        token = message.get("operator_token")
+        if token is not None:
+            if not isinstance(token, str) or not secrets.compare_digest(token, self.operator_token):
+                raise RequestError("operator_token is not this server's")
+            session.operator = True
         self.counters.count("hellos")
         return {"version": wire.PROTOCOL_VERSION, "server": self.server_id, "name": self.options.name,
                 "segment": str(self.segment_path),
@@ -356,7 +420,7 @@ class NodeServer:
     async def _lookup(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
         keys = _keys(message)
         owner = message.get("pin")
-        pin_s = min(float(message.get("pin_s", self.options.max_pin_s)), self.options.max_pin_s)
+        pin_s = self._pin_s(message)
         owner_name = self.leases.owner(session, _text(owner, "pin")) if owner is not None else None
         if self.lower:
             held = await asyncio.get_running_loop().run_in_executor(self._pool, self._find, keys, owner_name, pin_s)
@@ -388,8 +452,15 @@ class NodeServer:
 
     async def _pin(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
         owner = self.leases.owner(session, _text(message.get("owner"), "owner"))
-        pin_s = min(float(message.get("pin_s", self.options.max_pin_s)), self.options.max_pin_s)
+        pin_s = self._pin_s(message)
         return {"held": self.memory.pin_many(_keys(message), owner, timeout_s=pin_s)}
+
+    def _pin_s(self, message: dict[str, Any]) -> float:
+        """A pin's length: positive, clamped to ``--max-pin``."""
+        pin_s = _number(message, "pin_s", self.options.max_pin_s, low=0.0, high=_MAX_SECONDS)
+        if not pin_s > 0:
+            raise RequestError("'pin_s' must be positive")
+        return min(pin_s, self.options.max_pin_s)
 
     async def _unpin(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
         owner = self.leases.owner(session, _text(message.get("owner"), "owner"))
@@ -398,21 +469,34 @@ class NodeServer:
         return {}
 
     async def _release_owner(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
-        self.storage.release(self.leases.owner(session, _text(message.get("owner"), "owner")))
+        owner = self.leases.owner(session, _text(message.get("owner"), "owner"))
+        self.storage.release(owner)
+        self.leases.forget_owner(session, owner)  # its pins are gone: the table does not grow per request
         return {}
 
     async def _alloc(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
         sizes = message.get("sizes")
-        if not isinstance(sizes, list) or not all(isinstance(n, int) and 0 <= n for n in sizes):
-            raise RequestError("alloc needs 'sizes': a list of byte counts")
+        slab = self.memory.arena.slab_bytes
+        if not isinstance(sizes, list) or len(sizes) > _MAX_ITEMS or not all(
+                _is_int(n) and 0 < n <= slab for n in sizes):
+            raise RequestError(f"alloc's 'sizes' must be at most {_MAX_ITEMS} byte counts, each from 1 to the "
+                               f"{slab} B of the largest object")
         base = self.buffer.data_ptr()
-        objs = []
-        for nbytes in sizes:
-            obj = self.memory.allocate_bytes(nbytes)  # evicts; never waits; ValueError over a slab
-            if obj is None:
-                self.counters.count("alloc_shortfalls")
-                break
-            objs.append([self.leases.add(session, "alloc", obj), obj.tensor.data_ptr() - base])
+        objs: list[list[int]] = []
+        try:
+            for nbytes in sizes:
+                obj = self.memory.allocate_bytes(nbytes)  # evicts; never waits
+                if obj is None:
+                    self.counters.count("alloc_shortfalls")
+                    break
+                try:
+                    objs.append([self.leases.add(session, "alloc", obj), obj.tensor.data_ptr() - base])
+                except BaseException:
+                    obj.ref_down()
+                    raise
+        except BaseException:  # a room the client never hears of would stay held until it hangs up
+            self._drop_handles(session, [handle for handle, _ in objs])
+            raise
         self.counters.count("allocs")
         self.counters.count("alloc_chunks", len(objs))
         if span is not None:
@@ -421,37 +505,37 @@ class NodeServer:
 
     async def _commit(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
         items = message.get("items")
-        if not isinstance(items, list):
-            raise RequestError("commit needs 'items': [handle, key, nbytes, meta] each")
+        if not isinstance(items, list) or len(items) > _MAX_ITEMS:
+            raise RequestError(f"commit's 'items' must be at most {_MAX_ITEMS} of [handle, key, nbytes, meta]")
         admitted = []
         for item in items:
-            try:
-                handle_id, key, nbytes, meta = item
-            except (TypeError, ValueError):
-                handle_id = key = nbytes = meta = None
-            handle = self.leases.take(session, handle_id, "alloc") if isinstance(handle_id, int) else None
+            handle_id = item[0] if isinstance(item, list) and len(item) == 4 else None
+            handle = self.leases.take(session, handle_id, "alloc") if _is_int(handle_id) else None
             if handle is None:
                 self.counters.count("commit_unknown_handles")
                 admitted.append(False)
                 continue
+            _, key, nbytes, meta = item
             obj = handle.obj
+            taken = False
             try:
                 _describe(obj, _text(key, "key"), nbytes, meta)
-            except (ValueError, KeyError, TypeError) as exc:
-                obj.ref_down()
+                taken = self.storage.put("memory", key, obj=obj) > 0
+                if taken:
+                    self._written_by[key] = session.uid
+                if taken and self.lower:
+                    obj.ref_up()  # the writer's, until the chunk is encoded for the lower tiers
+                    try:
+                        self._to_lower.put_nowait((key, obj))
+                    except queue.Full:
+                        obj.ref_down()
+                        self.counters.count("lower_dropped")
+            except (RequestError, ValueError, KeyError, TypeError, ArithmeticError) as exc:
                 self.counters.count("commit_refused")
-                log.warning("flowkv server: refusing a commit of %s from %s: %s", key, session.client, exc)
-                admitted.append(False)
-                continue
-            taken = self.storage.put("memory", key, obj=obj) > 0
-            if taken and self.lower:
-                obj.ref_up()  # the writer's, until the chunk is encoded for the lower tiers
-                try:
-                    self._to_lower.put_nowait((key, obj))
-                except queue.Full:
-                    obj.ref_down()
-                    self.counters.count("lower_dropped")
-            obj.ref_down()  # the allocation's: the index holds it now (or it goes back when not taken)
+                log.warning("flowkv server: refusing a commit of %.80r from %s: %s", key, session.client, exc)
+            finally:
+                # The allocation's reference, whatever happened: the index holds the room now, or it goes back.
+                obj.ref_down()
             admitted.append(taken)
         took = sum(admitted)
         self.counters.count("commits")
@@ -464,22 +548,30 @@ class NodeServer:
     async def _get(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
         keys = _keys(message)
         base = self.buffer.data_ptr()
-        found: list[Any] = [self.memory.get(key) for key in keys]
-        missing = [i for i, obj in enumerate(found) if obj is None]
-        if missing and self.lower:
-            read = await asyncio.get_running_loop().run_in_executor(
-                self._pool, lambda: [self.storage.read(Entry(keys[i], None, None, None), promote=True)
-                                     for i in missing])
-            for i, hit in zip(missing, read):
-                if hit is not None and hit.obj is not None:
-                    found[i] = hit.obj
-        objs = []
-        for obj in found:
-            if obj is None:
-                objs.append(None)
-                continue
-            handle = self.leases.add(session, "read", obj)
-            objs.append([handle, obj.tensor.data_ptr() - base, obj.nbytes, _meta(obj)])
+        found: list[Any] = [self.memory.get(key) for key in keys]  # each with a reference for this request
+        objs: list[Any] = []
+        try:
+            missing = [i for i, obj in enumerate(found) if obj is None]
+            if missing and self.lower:
+                read = await asyncio.get_running_loop().run_in_executor(
+                    self._pool, lambda: [self.storage.read(Entry(keys[i], None, None, None), promote=True)
+                                         for i in missing])
+                for i, hit in zip(missing, read):
+                    if hit is not None and hit.obj is not None:
+                        found[i] = hit.obj
+            for obj in found:
+                if obj is None:
+                    objs.append(None)
+                    continue
+                reply = [0, obj.tensor.data_ptr() - base, obj.nbytes, _meta(obj)]
+                reply[0] = self.leases.add(session, "read", obj)
+                objs.append(reply)
+        except BaseException:  # references nobody will release: dropped here, not at the lease timeout
+            self._drop_handles(session, [o[0] for o in objs if o is not None])
+            for obj in found[len(objs):]:
+                if obj is not None:
+                    obj.ref_down()
+            raise
         hits = sum(o is not None for o in objs)
         self.counters.count("gets")
         self.counters.count("get_hits", hits)
@@ -490,26 +582,45 @@ class NodeServer:
 
     async def _release(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
         handles = message.get("handles")
-        if not isinstance(handles, list):
-            raise RequestError("release needs 'handles'")
+        if not isinstance(handles, list) or len(handles) > _MAX_ITEMS or not all(_is_int(h) for h in handles):
+            raise RequestError(f"release's 'handles' must be at most {_MAX_ITEMS} handle numbers")
+        self._drop_handles(session, handles)
+        self.counters.count("releases", len(handles))
+        return {}
+
+    def _drop_handles(self, session: Session, handles: list[int]) -> None:
         for handle_id in handles:
             handle = self.leases.take(session, handle_id)
             if handle is not None:
                 handle.obj.ref_down()
-        self.counters.count("releases", len(handles))
-        return {}
 
     async def _remove(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
-        return {"removed": [self.storage.remove(key) for key in _keys(message)]}
+        """Drop entries: a client's own user's, or any with the operator token."""
+        keys = _keys(message)
+        if not session.operator and any(self._written_by.get(key, session.uid) != session.uid for key in keys):
+            self.counters.count("operator_refused")
+            raise RequestError("removing entries another user wrote needs the operator token")
+        return {"removed": [self.storage.remove(key) for key in keys]}
 
     async def _stats(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
-        return self.status()
+        status = self.status()
+        if not session.operator:  # who else is connected is the operator's to know
+            status["sessions"] = [s for s in status["sessions"] if s["session"] == session.id]
+        return status
+
+    def _operator(self, session: Session, op: str) -> None:
+        if not session.operator:
+            self.counters.count("operator_refused")
+            raise RequestError(f"{op} needs the operator token (flowkv server status and node-report read it "
+                               f"from the file beside the socket)")
 
     async def _events_since(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
         """Tier events after ``since`` (at most ``max``), waiting up to ``wait_s`` for one."""
-        since = int(message.get("since", 0))
-        limit = max(1, min(int(message.get("max", 4096)), _EVENTS_KEPT))
-        wait_s = min(float(message.get("wait_s", 0.0)), 30.0)
+        self._operator(session, "events")
+        since = _integer(message, "since", 0, low=0, high=1 << 63)
+        limit = _integer(message, "max", 4096, low=1, high=1 << 63)
+        limit = min(limit, _EVENTS_KEPT)
+        wait_s = min(_number(message, "wait_s", 0.0, low=0.0, high=_MAX_SECONDS), 30.0)
         if wait_s > 0 and self._event_seq <= since:
             assert self._new_events is not None
             self._new_events.clear()
@@ -529,6 +640,7 @@ class NodeServer:
 
     async def _snapshot(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
         """Every key the arena holds, and the event sequence number it is as of."""
+        self._operator(session, "snapshot")
         with self._event_lock:
             seq = self._event_seq
             keys = self.memory.keys()
@@ -555,7 +667,7 @@ class NodeServer:
                 else:
                     kv = wire.view(self.buffer, obj.tensor.data_ptr() - self.buffer.data_ptr(), obj.meta["shape"],
                                    wire.dtype_from_name(obj.meta["dtype"]), obj.meta.get("order"))
-                    blob = payloads.encode(kv, self.codec, **self.codec_params)
+                    blob = payloads.encode(kv, self.codec, key=key, **self.codec_params)
                 for name in self.lower:
                     if self.storage.put(name, key, payload=blob):
                         self.counters.count(f"lower.{name}.offered")
@@ -611,22 +723,30 @@ def _free_bytes(folder: Path) -> int | None:
 
 def _describe(obj: Any, key: str, nbytes: Any, meta: Any) -> None:
     """Check a commit's description against its room and put it on the object (``meta``)."""
-    if not isinstance(meta, dict) or not isinstance(nbytes, int):
+    if not isinstance(meta, dict) or not _is_int(nbytes):
         raise ValueError("meta must be an object and nbytes an int")
     if len(key) > _MAX_KEY:
         raise ValueError(f"key of {len(key)} characters")
     if "codec" in meta:
-        encoded_len = int(meta["encoded_len"])
-        if not 0 < encoded_len <= obj.nbytes or encoded_len != nbytes:
-            raise ValueError(f"encoded_len {encoded_len} does not fit a room of {obj.nbytes} B")
+        encoded_len, codec = meta["encoded_len"], meta["codec"]
+        if not _is_int(encoded_len) or not 0 < encoded_len <= obj.nbytes or encoded_len != nbytes:
+            raise ValueError(f"encoded_len {encoded_len!r:.40} does not fit a room of {obj.nbytes} B")
+        if not isinstance(codec, str) or not 0 < len(codec) <= 64:
+            raise ValueError("codec must be a short name")
         if encoded_len < obj.nbytes:
             obj.shrink_to_bytes(encoded_len)  # the rest of the pages go back
         obj.meta.clear()
-        obj.meta.update(codec=str(meta["codec"]), encoded_len=encoded_len)
+        obj.meta.update(codec=codec, encoded_len=encoded_len)
         return
-    shape = [int(d) for d in meta["shape"]]
+    shape, order = meta["shape"], meta.get("order")
+    # Every dim at least 1: [-1, -4096] multiplies to a size that fits, and makes every reader's view fail.
+    if not isinstance(shape, list) or not 0 < len(shape) <= _MAX_DIMS or not all(
+            _is_int(d) and 0 < d <= obj.nbytes for d in shape):
+        raise ValueError(f"shape {shape!r:.80} is not a list of up to {_MAX_DIMS} positive dims")
     dtype = wire.dtype_from_name(meta["dtype"])
-    order = [int(d) for d in meta.get("order", range(len(shape)))]
+    order = list(range(len(shape))) if order is None else order
+    if not isinstance(order, list) or not all(_is_int(d) for d in order):
+        raise ValueError(f"order {order!r:.80} is not a list of dims")
     size = dtype.itemsize
     for d in shape:
         size *= d
@@ -645,9 +765,29 @@ def _meta(obj: Any) -> dict[str, Any]:
 
 def _keys(message: dict[str, Any]) -> list[str]:
     keys = message.get("keys")
-    if not isinstance(keys, list) or not all(isinstance(k, str) and 0 < len(k) <= _MAX_KEY for k in keys):
-        raise RequestError("'keys' must be a list of non-empty strings")
+    if not isinstance(keys, list) or len(keys) > _MAX_ITEMS or not all(
+            isinstance(k, str) and 0 < len(k) <= _MAX_KEY for k in keys):
+        raise RequestError(f"'keys' must be a list of at most {_MAX_ITEMS} non-empty strings")
     return keys
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(message: dict[str, Any], field: str, default: float, *, low: float, high: float) -> float:
+    """``message[field]`` (or ``default``): a JSON number from ``low`` to ``high``, else a refused request."""
+    value = message.get(field, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise RequestError(f"'{field}' must be a number from {low:g} to {high:g}, got {value!r:.40}")
+    return float(value)
+
+
+def _integer(message: dict[str, Any], field: str, default: int | None = None, *, low: int, high: int) -> int:
+    value = message.get(field, default)
+    if not _is_int(value) or not low <= value <= high:
+        raise RequestError(f"'{field}' must be an integer from {low} to {high}, got {value!r:.40}")
+    return value
 
 
 def _text(value: Any, what: str) -> str:
@@ -693,28 +833,45 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _peer_pid(writer: asyncio.StreamWriter) -> int | None:
-    sock = writer.get_extra_info("socket")
+def _peer(writer: asyncio.StreamWriter) -> PeerCredentials | None:
     try:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        return struct.unpack("3i", creds)[0]
-    except (OSError, AttributeError):
+        return peer_credentials(writer.get_extra_info("socket"))
+    except (OSError, AttributeError, TypeError):
         return None
 
 
+def _write_private(path: Path, text: str) -> None:
+    """``text`` in a new 0600 file at ``path`` (one a dead server left is replaced; a link is never followed)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w", encoding="ascii") as file:
+        file.write(text + "\n")
+
+
 def _claim_socket_path(path: Path) -> None:
-    """Refuse a path a live server listens on; remove one a dead server left."""
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
+    """Refuse a path a live server listens on (named: ours, or another user's squatting it); remove one a
+    dead server left."""
+    if not os.path.lexists(path):
+        if not path.parent.exists():
+            os.makedirs(path.parent, mode=0o700, exist_ok=True)
         return
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.settimeout(1.0)
         probe.connect(str(path))
+        listener = peer_credentials(probe)
     except OSError:
         log.warning("flowkv server: removing %s, left by a server that is gone", path)
-        path.unlink()
+        try:
+            path.unlink()
+        except PermissionError as exc:
+            raise RuntimeError(f"{path} is left by another user (uid {path.lstat().st_uid}) and cannot be "
+                               f"removed: choose another --socket, or the private default") from exc
         return
     finally:
         probe.close()
+    if listener.uid != os.geteuid():
+        raise RuntimeError(f"{path}: a process of uid {listener.uid} (pid {listener.pid}) already listens there, "
+                           f"not a flowkv server of this user: refusing to start; choose another --socket, or "
+                           f"leave it out for the private default")
     raise RuntimeError(f"a flowkv server already listens on {path}")

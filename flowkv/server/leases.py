@@ -3,7 +3,7 @@
 ::
 
     Session (one per connection)         Handle (one per reference a client holds)
-      client: "host:pid:rand"              kind: "alloc" (a room being filled, not in the index)
+      client: "uid0:pid42:c7"              kind: "alloc" (a room being filled, not in the index)
       handles: {17, 18, ...}  ----------->       "read"  (an entry's pages a retrieve scatters from)
       closed_at: None | when it hung up    obj:  the MemoryObj (one reference)
 
@@ -17,7 +17,8 @@ Rules:
   only its connection may still be copying into or out of those pages. Then
   they are reclaimed (the pages go back, or to the entry that still holds
   them).
-- Pins belong to ``(client id, lookup owner)``, so two clients' requests
+- Pins belong to ``(client, lookup owner)``, the client named by its
+  credentials and connection (never by what it declares), so two clients' requests
   never share one. They end when released, at their deadline, or when their
   client has had no connection for ``lease_timeout_s``.
 - A connected client is never dropped for being idle.
@@ -39,8 +40,11 @@ class Session:
     """One client connection."""
 
     id: int
-    client: str = "?"  # the id the client gave in hello
-    pid: int | None = None  # the peer's pid (SO_PEERCRED), else what hello said
+    client: str = "?"  # the server's name for it: uid, pid (SO_PEERCRED) and connection
+    pid: int | None = None  # the peer's pid (SO_PEERCRED)
+    uid: int | None = None  # the peer's uid (SO_PEERCRED)
+    label: str = "?"  # what the client called itself in hello (shown, never trusted)
+    operator: bool = False  # it showed the server's operator token
     connected_at: float = attrs.field(factory=time.time)
     handles: set[int] = attrs.field(factory=set)
     closed_at: float | None = None  # monotonic seconds when the connection ended
@@ -100,6 +104,25 @@ class LeaseTable:
         self.owners.setdefault(session.client, set()).add(name)
         return name
 
+    def forget_owner(self, session: Session, name: str) -> None:
+        """``name`` (from :meth:`owner`) holds no pins any more: out of the table."""
+        names = self.owners.get(session.client)
+        if names is not None:
+            names.discard(name)
+            if not names:
+                del self.owners[session.client]
+
+    def prune_owners(self, holds_pins: Any) -> int:
+        """Forget every owner for which ``holds_pins(name)`` is false (their pins expired); how many."""
+        pruned = 0
+        for client, names in list(self.owners.items()):
+            gone = {name for name in names if not holds_pins(name)}
+            names -= gone
+            pruned += len(gone)
+            if not names:
+                del self.owners[client]
+        return pruned
+
     def _live(self, client: str) -> Session | None:
         return next((s for s in self.sessions.values() if s.client == client and s.closed_at is None), None)
 
@@ -133,9 +156,11 @@ class LeaseTable:
             "allocations_held": alloc,
             "reads_held": len(self.handles) - alloc,
             "lease_timeout_s": self.lease_timeout_s,
+            "pin_owners": sum(len(names) for names in self.owners.values()),
             **{f"reclaimed_{k}": v for k, v in self.reclaimed.items()},
         }
 
     def clients(self) -> list[dict[str, Any]]:
-        return [{"session": s.id, "client": s.client, "pid": s.pid, "connected": s.closed_at is None,
+        return [{"session": s.id, "client": s.client, "label": s.label, "pid": s.pid, "uid": s.uid,
+                 "connected": s.closed_at is None,
                  "handles": len(s.handles)} for s in self.sessions.values()]

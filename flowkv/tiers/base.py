@@ -277,6 +277,10 @@ class ObjectTier(abc.ABC):
         """``pin`` each key for ``owner_id``; one bool per key."""
         return [self.pin(key, owner_id, timeout_s=timeout_s, now=now) for key in keys]
 
+    def holds_pins(self, owner_id: Any) -> bool:
+        """Whether ``owner_id`` still pins anything here (a tier that cannot tell answers True)."""
+        return True
+
     def unpin_many(self, keys: Sequence[str], owner_id: Any) -> int:
         """Drop ``owner_id``'s pins on ``keys``; how many. (A tier without single unpins
         keeps them until ``release_owner`` or their deadline.)"""
@@ -300,14 +304,16 @@ class ObjectTier(abc.ABC):
         return f"{type(self).__name__}(name={getattr(self, 'name', '?')!r})"
 
 
-def verify_payload(blob: bytes) -> bool:
-    """Whether ``blob`` is an intact flowkv payload (header and checksum good).
+def verify_payload(blob: bytes, key: str | None = None) -> bool:
+    """Whether ``blob`` is an intact flowkv payload (header and checksum good; with ``key``, written for it).
 
     ``flowkv.payload.verify`` checks header, length and body checksum without
-    decoding; any ``PayloadError`` it raises makes the answer False.
+    decoding; any ``PayloadError`` it raises makes the answer False. A tier
+    that passes the key it read also refuses a payload moved or planted
+    under another key.
     """
     try:
-        payload.verify(blob)
+        payload.verify(blob, expect_key=key)
     except payload.PayloadError:
         return False
     return True

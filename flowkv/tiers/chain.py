@@ -294,7 +294,7 @@ class StorageManager:
         """
         objects = self._objects.get(tier)
         if objects is None:
-            blob = payload if payload is not None else payloads.encode(kv, "none")
+            blob = payload if payload is not None else payloads.encode(kv, "none", key=key)
             if isinstance(blob, memoryview):
                 blob = bytes(blob)
             if not self._write_behind[tier].offer(key, blob):
@@ -457,7 +457,7 @@ class StorageManager:
         order = [entry.tier] if entry.tier in self.guarded else []
         order += [n for n in self.guarded if n not in order]
         for name in order:
-            blob = self._call(name, "get", [key], default=[None])[0]
+            blob = self._keyed(name, key, self._call(name, "get", [key], default=[None])[0])
             if blob is None:
                 continue
             if promote and self._promote(key, blob, entry.shape, entry.dtype):
@@ -466,6 +466,19 @@ class StorageManager:
                     return found
             return Found(tier=name, payload=blob)
         return None
+
+    def _keyed(self, tier: str, key: str, blob: Any) -> Any:
+        """``blob`` when its header is sound and names ``key``; else None, counted once (a payload moved or
+        planted under another key, or one that does not parse, is a miss; the next tier may hold it)."""
+        if blob is None:
+            return None
+        try:
+            payloads.read_header(blob, expect_key=key)
+        except payloads.PayloadError as exc:
+            self._counters.count("corrupt_payloads")
+            log.warning("flowkv: refusing the payload %s gave for %s: %s", tier, key, exc)
+            return None
+        return blob
 
     def discard(self, key: str, tier: str | None, error: Exception) -> None:
         """A payload failed its checks: count it and drop it from object tiers so it is not served again."""
@@ -510,6 +523,13 @@ class StorageManager:
                     waiting.discard(owner)
         for objects in self._objects.values():
             objects.release_owner(owner)
+
+    def holds_pins(self, owner: Any) -> bool:
+        """Whether ``owner`` still pins a chunk in an object tier, or waits for a prefetch to land pinned."""
+        with self._lock:
+            if self._prefetch_owner.get(owner):
+                return True
+        return any(objects.holds_pins(owner) for objects in self._objects.values())
 
     def expire_pins(self) -> None:
         """Drop pins past their deadline (a scheduler that stopped asking must not pin forever)."""
@@ -573,6 +593,7 @@ class StorageManager:
             except Exception:
                 blobs = [None] * len(group)
             for entry, blob in zip(group, blobs):
+                blob = self._keyed(entry.tier, entry.key, blob)  # type: ignore[arg-type]
                 promoted = blob is not None and self._promote(entry.key, blob, entry.shape, entry.dtype)
                 with self._lock:  # a release either took its owner out already, or unpins after this
                     owners = self._prefetch_waiting.pop(entry.key, ())
@@ -605,16 +626,17 @@ class StorageManager:
         if memory.contains(key):
             return True
         try:
-            header = payloads.read_header(blob)
-        except payloads.PayloadError:
+            header = payloads.read_header(blob, expect_key=key)
+        except payloads.PayloadError as exc:
             self._counters.count("corrupt_payloads")
+            log.warning("flowkv: refusing the payload read for %s: %s", key, exc)
             return False
         if header.codec == "none" and shape is not None:
             obj = memory.allocate(shape, dtype)
             if obj is None:
                 return False
             try:
-                payloads.decode_into(blob, obj.tensor)
+                payloads.decode_into(blob, obj.tensor, expect_key=key)
             except payloads.PayloadError:
                 obj.ref_down()
                 self._counters.count("corrupt_payloads")
@@ -627,7 +649,7 @@ class StorageManager:
             if obj is None:
                 return False
             try:
-                payloads.verify(blob)  # kept encoded: checked now, so nothing corrupt is held
+                payloads.verify(blob, expect_key=key)  # kept encoded: checked now, so nothing corrupt is held
             except payloads.PayloadError:
                 obj.ref_down()
                 self._counters.count("corrupt_payloads")

@@ -15,6 +15,17 @@ valid name (with ``fsync = true`` this also holds across power loss). Every
 read is checked with :func:`flowkv.tiers.verify_payload`; a corrupt or
 truncated file is a miss, counted, and removed.
 
+Who may read it: the folder and its shards are created 0700 and every file
+0600 (whatever the umask), so other users on the machine cannot read the
+prompts' KV. An existing folder owned by another user is refused (an error
+in the log, then every read misses and every write is dropped): whoever
+owns it could read, replace or plant entries. A folder of this user with a
+looser mode (made by an older flowkv) is tightened to 0700. Entries are
+opened without following symbolic links, and only a regular file of this
+user, exactly the size the index holds, is read: a symlink, FIFO or device
+planted as an entry is a miss (and removed), never followed, never waited
+on, never read past its indexed size.
+
 A full filesystem: ``capacity`` is what the tier may hold, not what the
 filesystem has room for. At start, and whenever a write fails with ``ENOSPC``
 (or ``EDQUOT``), the tier measures the filesystem (``statvfs``) and lowers its
@@ -48,6 +59,7 @@ import hashlib
 import logging
 import os
 import secrets
+import stat
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -73,6 +85,11 @@ _SEEN_LIMIT = 1 << 18
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # The share of the filesystem the tier leaves free (block rounding, folders, other files).
 _HEADROOM_FRACTION = 64
+_PRIVATE_FOLDER = 0o700
+_PRIVATE_FILE = 0o600
+# An entry is opened as itself (never through a symlink), and a FIFO's open returns at once.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # At most one out-of-space warning per tier this often; the rest are counted into the next.
 _WARN_INTERVAL_S = 60.0
 # While the effective capacity is below the configured one, look for freed space this often.
@@ -150,6 +167,8 @@ class DiskTier(Tier):
         self._writing: set[str] = set()  # digests being written now
         self._seen: OrderedDict[str, int] = OrderedDict()  # digest -> times offered (admission)
         self._made_shards: set[str] = set()
+        #: why the folder is not used (another user's), or None
+        self.refused: str | None = None
         self._counters = dict.fromkeys(
             (
                 "hits",
@@ -166,6 +185,7 @@ class DiskTier(Tier):
                 "temp_files_removed",
                 "nospace_errors",
                 "capacity_shrinks",
+                "refused_calls",
             ),
             0,
         )
@@ -177,11 +197,16 @@ class DiskTier(Tier):
         return [key_digest(key) in self._index for key in keys]
 
     async def get(self, keys: list[str]) -> list[bytes | None]:
+        if self.refused:
+            self._counters["refused_calls"] += 1
+            self._counters["misses"] += len(keys)
+            return [None] * len(keys)
         digests = [key_digest(key) for key in keys]
         wanted = [d for d in dict.fromkeys(digests) if d in self._index]
         for digest in wanted:
             self._index.move_to_end(digest)
-        found = await anyio.to_thread.run_sync(self._read_files, wanted) if wanted else {}
+        named = dict(zip(digests, keys))
+        found = await anyio.to_thread.run_sync(self._read_files, {d: named[d] for d in wanted}) if wanted else {}
         for digest, outcome in found.items():
             if isinstance(outcome, bytes):
                 continue
@@ -202,6 +227,9 @@ class DiskTier(Tier):
         return results
 
     async def put(self, entries: list[tuple[str, bytes]]) -> None:
+        if self.refused:
+            self._counters["refused_calls"] += 1
+            return
         plan: list[tuple[str, bytes]] = []
         for key, payload in entries:
             if not isinstance(payload, (bytes, bytearray, memoryview)):
@@ -286,6 +314,7 @@ class DiskTier(Tier):
             "capacity": self._capacity,
             "configured_capacity": self.config.capacity,
             "degraded": int(self._degraded),
+            "refused_folder": int(self.refused is not None),
         }
 
     # -- index and policy (event-loop thread) ------------------------------
@@ -399,9 +428,31 @@ class DiskTier(Tier):
     def _path(self, digest: str) -> Path:
         return self.root / digest[:2] / (digest + _SUFFIX)
 
+    def _claim_folder(self) -> None:
+        """Make the folder 0700, or check that an existing one is this user's (and tighten it)."""
+        self.root.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(self.root, _PRIVATE_FOLDER)
+        except FileExistsError:
+            pass
+        info = os.stat(self.root)
+        if not stat.S_ISDIR(info.st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(self.root))
+        if info.st_uid != os.geteuid():
+            self.refused = (f"{self.root} is owned by uid {info.st_uid}, not this process's uid {os.geteuid()}: "
+                            f"whoever owns it could read, replace or plant cache entries. Give the tier a "
+                            f"folder of its own (path = ...), or chown it to this user")
+            return
+        if info.st_mode & 0o077:
+            logger.info("disk tier %r: tightening %s from %o to 700", self.name, self.root, info.st_mode & 0o777)
+            os.chmod(self.root, _PRIVATE_FOLDER)
+
     def _rebuild_index(self) -> None:
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self._claim_folder()
+            if self.refused:
+                logger.error("disk tier %r: refusing %s; the tier misses", self.name, self.refused)
+                return
             found = self._scan()
         except OSError as exc:
             logger.warning("disk tier %r: cannot use %s (%s); it will miss", self.name, self.root, exc)
@@ -425,6 +476,12 @@ class DiskTier(Tier):
             for shard in shards:
                 if len(shard.name) != 2 or not shard.is_dir(follow_symlinks=False):
                     continue
+                info = shard.stat(follow_symlinks=False)
+                if info.st_uid != os.geteuid():
+                    logger.warning("disk tier %r: skipping %s, owned by uid %d", self.name, shard.path, info.st_uid)
+                    continue
+                if info.st_mode & 0o077:
+                    os.chmod(shard.path, _PRIVATE_FOLDER)
                 self._made_shards.add(shard.name)
                 with os.scandir(shard.path) as files:
                     for entry in files:
@@ -439,40 +496,71 @@ class DiskTier(Tier):
                             continue
                         if not _is_digest_name(name) or not name.startswith(shard.name):
                             continue
+                        if not entry.is_file(follow_symlinks=False):
+                            continue  # a symlink, FIFO or device under an entry's name: never indexed
                         st = entry.stat(follow_symlinks=False)
                         found.append((max(st.st_atime, st.st_mtime), name[: -len(_SUFFIX)], st.st_size))
         return found
 
     # -- file I/O (worker threads) -----------------------------------------
 
-    def _read_files(self, digests: list[str]) -> dict[str, bytes | str]:
-        """Each digest's payload, or why not: ``"misses"``, ``"corrupt"``, ``"read_errors"``."""
+    def _read_files(self, wanted: dict[str, str]) -> dict[str, bytes | str]:
+        """Each digest's payload (``wanted``: digest -> key), or why not: ``"misses"``, ``"corrupt"``,
+        ``"read_errors"``. A payload written for another key (a file renamed or planted) is corrupt."""
         found: dict[str, bytes | str] = {}
         now = time.time()
-        for digest in digests:
+        for digest, key in wanted.items():
             path = self._path(digest)
-            try:
-                with open(path, "rb") as file:
-                    blob = file.read()
-            except FileNotFoundError:
-                found[digest] = "misses"  # removed behind our back
+            blob = self._read_entry(path, self._index.get(digest, 0), now)
+            if isinstance(blob, str):
+                found[digest] = blob
                 continue
-            except OSError as exc:
-                logger.debug("disk tier %r: cannot read %s: %s", self.name, path, exc)
-                found[digest] = "read_errors"
-                continue
-            if not verify_payload(blob):
+            if not verify_payload(blob, key):
                 logger.warning("disk tier %r: corrupt payload in %s removed", self.name, path)
                 self._unlink(path)
                 found[digest] = "corrupt"
                 continue
-            # Recency survives a restart through the file's times.
-            try:
-                os.utime(path, (now, now))
-            except OSError:
-                pass
             found[digest] = blob
         return found
+
+    def _read_entry(self, path: Path, size: int, now: float) -> bytes | str:
+        """The bytes of the regular file of this user at ``path``, of exactly ``size`` bytes; else why not."""
+        try:
+            fd = os.open(path, _READ_FLAGS)
+        except FileNotFoundError:
+            return "misses"  # removed behind our back
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a symlink planted under an entry's name
+                logger.warning("disk tier %r: %s is a symbolic link, not followed; removed", self.name, path)
+                self._unlink(path)
+                return "corrupt"
+            logger.debug("disk tier %r: cannot read %s: %s", self.name, path, exc)
+            return "read_errors"
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_size != size:
+                logger.warning("disk tier %r: %s is not this user's regular file of the %d B indexed (mode %o, "
+                               "uid %d, %d B); removed", self.name, path, size, info.st_mode, info.st_uid,
+                               info.st_size)
+                self._unlink(path)
+                return "corrupt"
+            parts, left = [], size
+            while left:  # never more than the index says, whatever the file grows to meanwhile
+                part = os.read(fd, min(left, 1 << 24))
+                if not part:
+                    break
+                parts.append(part)
+                left -= len(part)
+            try:
+                os.utime(fd, (now, now))  # recency survives a restart through the file's times
+            except OSError:
+                pass
+            return b"".join(parts)
+        except OSError as exc:
+            logger.debug("disk tier %r: cannot read %s: %s", self.name, path, exc)
+            return "read_errors"
+        finally:
+            os.close(fd)
 
     def _write_files(self, plan: list[tuple[str, bytes]], victims: list[str]) -> list[str]:
         self._remove_files(victims)
@@ -493,9 +581,13 @@ class DiskTier(Tier):
         temp = folder / f".{digest}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
         try:
             if shard not in self._made_shards:
-                folder.mkdir(parents=True, exist_ok=True)
+                for made in (self.root, folder):  # the root too: removed behind our back, it is made again
+                    try:
+                        os.mkdir(made, _PRIVATE_FOLDER)
+                    except FileExistsError:
+                        pass
                 self._made_shards.add(shard)
-            with open(temp, "xb") as file:
+            with os.fdopen(os.open(temp, _WRITE_FLAGS, _PRIVATE_FILE), "wb") as file:
                 file.write(payload)
                 if self.config.fsync:
                     file.flush()

@@ -239,6 +239,10 @@ class MemoryTier(ObjectTier):
                 released += self._unpin_locked(key, owner_id)
             return released
 
+    def holds_pins(self, owner_id: Any) -> bool:
+        with self._lock:
+            return owner_id in self._owner_keys
+
     def expire_pins(self, now: float | None = None) -> int:
         """Release pins whose deadline has passed; returns how many.
 

@@ -25,6 +25,19 @@ are only ever viewed as tensors of the dtype named in a whitelist. A
 request may carry ``trace`` (W3C trace context of the client's current
 span), under which the server opens its own span.
 
+Trust (the README's "Security"): the server serves its own uid (and, with
+``--group``, that group) and nobody else. With no socket named, both sides
+use :func:`default_socket_path`, in a folder only that user may use; the
+segment lives in a 0700 folder of the user's under ``/dev/shm``. Before it
+sends anything, a client checks who listens (``SO_PEERCRED``: this uid, or
+the trusted group), and it maps a segment only when it is a regular file of
+the server's uid, mode 0600, in that private folder, with the name the
+server's files have, opened without following a link. Calls that touch
+what other clients wrote (``remove`` of their entries, ``snapshot``,
+``events``, others' sessions in ``stats``) need the operator token that the
+server writes 0600 beside its socket (:func:`operator_token_path`); a
+process that can read it is the server's own user.
+
 :class:`NodeConnection` is the synchronous client every caller uses (the
 ``server`` tier, ``flowkv server status``, a fleet controller): one call at
 a time per connection, each bounded by a timeout; any failure closes the
@@ -41,6 +54,7 @@ import math
 import mmap
 import os
 import socket
+import stat
 import struct
 import threading
 from collections.abc import Sequence
@@ -50,13 +64,20 @@ from typing import Any
 import attrs
 import torch
 
+from flowkv.local_peers import PeerCredentials, check_peer
+
 __all__ = [
     "MAX_FRAME",
     "PROTOCOL_VERSION",
     "NodeConnection",
     "NodeError",
+    "NodeRefused",
     "NodeUnavailable",
     "Segment",
+    "default_socket_path",
+    "operator_token_path",
+    "read_operator_token",
+    "segment_folder",
     "dense_order",
     "dtype_from_name",
     "dtype_name",
@@ -85,6 +106,51 @@ class NodeUnavailable(ConnectionError):
     """The server cannot be reached, hung up, or did not answer in time."""
 
 
+class NodeRefused(NodeUnavailable):
+    """The listener (or the segment it names) is not one this client trusts: nothing was sent to it."""
+
+
+def default_socket_path() -> Path:
+    """Where ``flowkv server`` listens and the ``server`` tier connects when no socket is named.
+
+    ``$XDG_RUNTIME_DIR/flowkv/node.sock`` when that is set; else
+    ``/run/flowkv-UID/node.sock`` when that folder exists or ``/run`` lets
+    this user make it; else ``~/.cache/flowkv/run/node.sock``. Both sides
+    compute the same from the same user's environment; the folder is made
+    (0700) and checked by :func:`flowkv.local_peers.private_folder`.
+    """
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "").strip()
+    if runtime:
+        return Path(runtime) / "flowkv" / "node.sock"
+    run = Path("/run") / f"flowkv-{os.geteuid()}"
+    if run.is_dir() or os.access("/run", os.W_OK | os.X_OK):
+        return run / "node.sock"
+    return Path.home() / ".cache" / "flowkv" / "run" / "node.sock"
+
+
+def segment_folder(shm_dir: str | os.PathLike[str] = "/dev/shm", *, group: int | None = None) -> Path:
+    """The 0700 folder of this user under ``shm_dir`` that holds its servers' segments (with a ``group``
+    the server shares, a 0750 one of its own for that group)."""
+    return Path(shm_dir) / (f"flowkv-{os.geteuid()}" + (f"-g{group}" if group is not None else ""))
+
+
+def operator_token_path(socket_path: str | os.PathLike[str]) -> Path:
+    """The file (0600) beside the server's socket that holds its operator token."""
+    return Path(f"{socket_path}.token")
+
+
+def read_operator_token(socket_path: str | os.PathLike[str]) -> str | None:
+    """The operator token of the server on ``socket_path``, or None where this process cannot read it."""
+    try:
+        fd = os.open(operator_token_path(socket_path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, 256).decode("ascii", "replace").strip() or None
+    finally:
+        os.close(fd)
+
+
 class NodeError(RuntimeError):
     """The server answered, with an error (a bad request; the connection stays usable)."""
 
@@ -110,8 +176,9 @@ def dense_order(tensor: torch.Tensor) -> list[int]:
     return sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d) if tensor.shape[d] > 1 else 0, d))
 
 
-def segment_prefix(socket_path: str | os.PathLike[str]) -> str:
+def segment_prefix(socket_path: str | os.PathLike[str] | None = None) -> str:
     """The name every shared-memory segment of the server on ``socket_path`` starts with."""
+    socket_path = default_socket_path() if socket_path is None else socket_path
     digest = hashlib.sha256(str(Path(socket_path).resolve()).encode()).hexdigest()[:12]
     return f"flowkv-node-{digest}-"
 
@@ -127,9 +194,28 @@ def encode_frame(message: dict[str, Any]) -> bytes:
     return _LENGTH.pack(len(body)) + body
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a message may hold")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 parses to inf
+        raise ValueError(f"{text[:32]} is not a finite number")
+    return value
+
+
 def decode_body(body: bytes) -> dict[str, Any]:
-    """A frame's body as a message (a JSON object), or ``ValueError``."""
-    message = json.loads(body)
+    """A frame's body as a message (a JSON object), or ``ValueError``.
+
+    Strict JSON: ``NaN``, ``Infinity`` and numbers that overflow a float are
+    refused (``int(inf)`` raises ``OverflowError`` in whatever handler meets
+    one), and so is nesting deeper than the parser's recursion limit.
+    """
+    try:
+        message = json.loads(body, parse_constant=_refuse_constant, parse_float=_finite)
+    except RecursionError:
+        raise ValueError("a message nested too deep") from None
     if not isinstance(message, dict):
         raise ValueError(f"a message is a JSON object, got {type(message).__name__}")
     return message
@@ -156,17 +242,26 @@ class NodeConnection:
     >>> conn.call("stats")["entries"]                                             # doctest: +SKIP
     """
 
-    def __init__(self, sock: socket.socket, *, timeout_s: float) -> None:
+    def __init__(self, sock: socket.socket, *, timeout_s: float, peer: PeerCredentials | None = None) -> None:
         self._sock: socket.socket | None = sock
         self.timeout_s = timeout_s
+        #: who listens (checked before anything was sent)
+        self.peer = peer
         self._lock = threading.Lock()
         self._next_id = 1
         #: the server's ``hello`` answer, once ``hello`` was called
         self.hello_reply: dict[str, Any] | None = None
 
     @classmethod
-    def connect(cls, path: str | os.PathLike[str], *, timeout_s: float) -> NodeConnection:
-        """Connect to the server listening on ``path``; :class:`NodeUnavailable` when none is."""
+    def connect(cls, path: str | os.PathLike[str] | None = None, *, timeout_s: float,
+                group: int | None = None) -> NodeConnection:
+        """Connect to the server listening on ``path`` (default: :func:`default_socket_path`).
+
+        :class:`NodeUnavailable` when none listens; :class:`NodeRefused` when
+        the listener runs as another user (not this uid, nor ``group``): then
+        not a byte was sent to it.
+        """
+        path = default_socket_path() if path is None else path
         if len(str(path)) > _MAX_SOCKET_PATH:
             raise ValueError(f"socket path {str(path)!r} is over the {_MAX_SOCKET_PATH} bytes a Unix socket allows")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -176,15 +271,27 @@ class NodeConnection:
         except OSError as exc:
             sock.close()
             raise NodeUnavailable(f"no flowkv server on {path}: {exc.strerror or exc}") from exc
-        return cls(sock, timeout_s=timeout_s)
+        try:
+            peer = check_peer(sock, what=f"flowkv server socket {path}", group=group)
+        except (PermissionError, OSError) as exc:
+            sock.close()
+            raise NodeRefused(str(exc)) from exc
+        return cls(sock, timeout_s=timeout_s, peer=peer)
 
     @property
     def closed(self) -> bool:
         return self._sock is None
 
-    def hello(self, client: str, **fields: Any) -> dict[str, Any]:
-        """Introduce this client (an id that names it in the server's status and its pins)."""
-        reply = self.call("hello", client=client, pid=os.getpid(), version=PROTOCOL_VERSION, **fields)
+    def hello(self, client: str, *, operator_token: str | None = None, **fields: Any) -> dict[str, Any]:
+        """Introduce this client (a label in the server's status; the server names it by its credentials).
+
+        ``operator_token`` (:func:`read_operator_token`) makes this connection
+        an operator's: it may remove any entry, take snapshots and events, and
+        see every client in ``stats``.
+        """
+        if operator_token:
+            fields["operator_token"] = operator_token
+        reply = self.call("hello", client=client, version=PROTOCOL_VERSION, **fields)
         if reply.get("version") != PROTOCOL_VERSION:
             self.close()
             raise NodeUnavailable(f"server speaks protocol {reply.get('version')}, this client {PROTOCOL_VERSION}")
@@ -270,18 +377,37 @@ class Segment:
         self._mapping = None
 
 
-def map_segment(path: str, nbytes: int, inode: int) -> Segment:
+def map_segment(path: str, nbytes: int, inode: int, *, owner: int | None = None) -> Segment:
     """Map the server's shared-memory file, shared and writable, checking it is the one announced.
 
-    The inode check refuses a file of the same name that is not the running
-    server's (a stale one left by a server killed with ``kill -9``).
+    Mapped only when it is a regular file named like a server's segment
+    (``flowkv-node-...``), opened without following a link, owned by
+    ``owner`` (the server's uid from ``SO_PEERCRED``; default this user),
+    giving others no access, in a folder only that owner may write; the
+    inode check refuses a file of the same name that is not the running
+    server's (a stale one left by a server killed with ``kill -9``). A reply
+    naming anything else is refused (:class:`NodeRefused`): a root client
+    never writes into a file it was pointed at.
     """
-    fd = os.open(path, os.O_RDWR)
+    owner = os.geteuid() if owner is None else owner
+    where = Path(path)
+    if not where.name.startswith("flowkv-node-"):
+        raise NodeRefused(f"{path} is not named like a flowkv server's segment")
     try:
-        stat = os.fstat(fd)
-        if stat.st_ino != inode or stat.st_size < nbytes:
+        folder = os.lstat(where.parent)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise NodeRefused(f"cannot open the segment {path}: {exc}") from exc
+    try:
+        info = os.fstat(fd)
+        # Nobody but the owner may write the folder; the file gives others nothing (a --group's members rw).
+        if (not stat.S_ISDIR(folder.st_mode) or folder.st_uid != owner or folder.st_mode & 0o022
+                or not stat.S_ISREG(info.st_mode) or info.st_uid != owner or info.st_mode & 0o007):
+            raise NodeRefused(f"{path} is not a private segment of uid {owner} (file mode {info.st_mode:o} uid "
+                              f"{info.st_uid}; folder mode {folder.st_mode:o} uid {folder.st_uid})")
+        if info.st_ino != inode or info.st_size < nbytes:
             raise NodeUnavailable(f"{path} is not the segment the server announced "
-                                  f"(inode {stat.st_ino} vs {inode}, {stat.st_size} B vs {nbytes} B)")
+                                  f"(inode {info.st_ino} vs {inode}, {info.st_size} B vs {nbytes} B)")
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)

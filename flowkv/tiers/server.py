@@ -4,8 +4,15 @@
 
     [tiers.node]
     kind = "server"
-    socket = "/run/flowkv/node.sock"   # where `flowkv server --socket ...` listens
+    # socket = "/run/flowkv/node.sock" # where `flowkv server --socket ...` listens (default: the server's
+    #                                  # private default, node_protocol.default_socket_path)
     timeout_s = 2.0                    # every call bounded; then misses until it is back
+
+Before it sends anything the tier checks that the listener runs as this
+user (or ``trust_group``), and it maps only a private segment of that user
+(:mod:`flowkv.tiers.node_protocol`); it connects with the server's operator
+token when it can read it (the server's own user can), which lets it carry a
+controller's ``clear`` to entries other clients wrote.
 
 The tier maps the server's shared memory once (:mod:`flowkv.tiers.node_protocol`)
 and hands out objects whose tensors are views of the mapped pages: a store
@@ -56,10 +63,12 @@ _BACKOFF_INITIAL_S = 0.25
 class ServerTierConfig:
     """``[tiers.NAME] kind = "server"``: the node server's socket, and how long a call may take."""
 
-    socket: str  # the server's Unix socket (`flowkv server --socket PATH`)
+    # the server's Unix socket (`flowkv server --socket PATH`); default: the private one both sides compute
+    socket: str = attrs.field(factory=lambda: str(wire.default_socket_path()))
     timeout_s: float = 2.0  # every call to the server is cut off after this; then misses
     backoff_max_s: float = 5.0  # an unreachable server is tried again after at most this long
-    client_id: str | None = None  # names this client in the server's status; default host:pid:random
+    client_id: str | None = None  # a label in the server's status (it names clients by uid, pid, connection)
+    trust_group: int | None = None  # a gid whose server this client trusts too (`flowkv server --group`)
 
     def __attrs_post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -144,7 +153,7 @@ class ServerTier(ObjectTier):
             "calls", "failures", "timeouts", "skipped", "connects", "remaps", "errors",
             "lookups", "lookup_hits", "lookup_misses", "allocated", "allocation_shortfalls",
             "commits", "admitted", "not_admitted", "stale_objects", "reads", "read_hits", "read_misses",
-            "releases", "shape_mismatches",
+            "releases", "shape_mismatches", "bad_entries",
         ), 0)
 
     # -- connection ------------------------------------------------------------
@@ -163,10 +172,13 @@ class ServerTier(ObjectTier):
         if self._closed or time.monotonic() < self._retry_at:
             return None
         try:
-            conn = wire.NodeConnection.connect(self.config.socket, timeout_s=self.config.timeout_s)
-            reply = conn.hello(self.client_id)
+            conn = wire.NodeConnection.connect(self.config.socket, timeout_s=self.config.timeout_s,
+                                               group=self.config.trust_group)
+            reply = conn.hello(self.client_id, operator_token=wire.read_operator_token(self.config.socket))
             if reply["server"] != self._server_id or self._segment is None:
-                segment = wire.map_segment(reply["segment"], int(reply["segment_bytes"]), int(reply["inode"]))
+                owner = conn.peer.uid if conn.peer is not None else None
+                segment = wire.map_segment(reply["segment"], int(reply["segment_bytes"]), int(reply["inode"]),
+                                           owner=owner)
                 if self._segment is not None:
                     self._counters["remaps"] += 1
                     log.warning("flowkv: node server %s restarted (now %s); mapped its new arena",
@@ -392,16 +404,22 @@ class ServerTier(ObjectTier):
         session, segment = reply["_session"], reply["_segment"]
         out: list[RemoteObj | None] = []
         mismatched: list[RemoteObj] = []
+        unusable: list[RemoteObj] = []
         for (key, shape, dtype), found in zip(wanted, reply["objs"]):
             if found is None:
                 out.append(None)
                 continue
             handle, offset, nbytes, meta = int(found[0]), int(found[1]), int(found[2]), found[3]
-            if "codec" in meta:
-                tensor = segment.buffer[offset:offset + nbytes]
-            else:
-                tensor = wire.view(segment.buffer, offset, meta["shape"], wire.dtype_from_name(meta["dtype"]),
-                                   meta.get("order"))
+            try:
+                tensor = _reply_view(segment.buffer, offset, nbytes, meta)
+            except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+                # An entry whose description makes no view (another client's bad commit): a miss, and
+                # the read reference goes back now rather than when this connection ends.
+                self._counters["bad_entries"] += 1
+                log.warning("flowkv: node server entry %.80s has no usable layout (%s); a miss", key, exc)
+                unusable.append(RemoteObj(self, session, handle, offset, 0, segment.buffer, segment.buffer[:0]))
+                out.append(None)
+                continue
             obj = RemoteObj(self, session, handle, offset, nbytes, segment.buffer, tensor)
             if "codec" in meta:
                 obj.meta.update(codec=meta["codec"], encoded_len=int(meta["encoded_len"]))
@@ -410,9 +428,9 @@ class ServerTier(ObjectTier):
                 out.append(None)
                 continue
             out.append(obj)
-        if mismatched:
-            self._counters["shape_mismatches"] += len(mismatched)
-            self.release_objects(mismatched)
+        self._counters["shape_mismatches"] += len(mismatched)
+        if mismatched or unusable:
+            self.release_objects(mismatched + unusable)
         hits = sum(o is not None for o in out)
         self._counters["reads"] += 1
         self._counters["read_hits"] += hits
@@ -456,6 +474,17 @@ class ServerTier(ObjectTier):
         """This client's counters (no round trip: vLLM asks for them every step)."""
         return {**self._counters, "healthy": int(self._healthy), "backoff_s": self._backoff_s,
                 "session": self._session}
+
+
+def _reply_view(buffer: torch.Tensor, offset: int, nbytes: int, meta: dict[str, Any]) -> torch.Tensor:
+    """The tensor a ``get`` reply describes, inside the mapped segment (``ValueError`` when it is not)."""
+    if not 0 <= offset <= offset + nbytes <= buffer.numel():
+        raise ValueError(f"{nbytes} B at offset {offset} lie outside the segment")
+    if "codec" in meta:
+        return buffer[offset:offset + nbytes]
+    if not all(isinstance(d, int) and d > 0 for d in meta["shape"]):
+        raise ValueError(f"shape {meta['shape']!r:.80} has a dim below 1")
+    return wire.view(buffer, offset, meta["shape"], wire.dtype_from_name(meta["dtype"]), meta.get("order"))
 
 
 def _meta_of(obj: RemoteObj) -> dict[str, Any]:

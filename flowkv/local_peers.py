@@ -1,0 +1,85 @@
+"""Trust between processes of one machine: folders only this user may use, and who is on a Unix socket.
+
+flowkv's local sockets (a worker's lookup socket, the node server's socket)
+live in folders that must be private: whoever may write the folder may
+unlink a socket and bind their own in its place, then read what clients
+send and answer what they like. :func:`private_folder` makes such a folder
+0700, or checks that an existing one is this user's and no looser, and
+refuses it otherwise with an error that says what to do.
+:func:`peer_credentials` answers who (pid, uid, gid) holds the other end of
+a connected Unix socket (``SO_PEERCRED``: set by the kernel, not claimed by
+the peer); :func:`check_peer` refuses a peer of another user.
+
+::
+
+    >>> from flowkv.local_peers import private_folder
+    >>> private_folder("/tmp/flowkv-demo-folder")       # doctest: +SKIP
+    PosixPath('/tmp/flowkv-demo-folder')
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import struct
+from pathlib import Path
+from typing import NamedTuple
+
+__all__ = ["PeerCredentials", "check_peer", "peer_credentials", "private_folder"]
+
+_CREDENTIALS = struct.Struct("3i")
+
+
+class PeerCredentials(NamedTuple):
+    """The process on the other end of a Unix socket, as the kernel names it."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+def private_folder(path: str | os.PathLike[str], *, what: str = "flowkv", group: int | None = None) -> Path:
+    """``path`` as a folder only this user may use: made 0700 when missing, else checked.
+
+    An existing folder must be a real folder (not a symlink), owned by this
+    process's effective uid, and give others no access (with ``group``, that
+    group may enter and read it: 0750). Anything else raises
+    ``PermissionError`` naming the folder, its owner and mode, and the fix.
+    """
+    folder = Path(path)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(folder)
+    me = os.geteuid()
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise PermissionError(f"{what}: {folder} is not a folder (a symlink or a file): another user may have "
+                              f"put it there; remove it, or choose another folder")
+    if info.st_uid != me:
+        raise PermissionError(f"{what}: {folder} belongs to uid {info.st_uid}, not to this process's uid {me}: "
+                              f"its owner could replace the sockets in it and read or answer what is sent there; "
+                              f"remove it, or choose a folder of your own")
+    allowed = 0o050 if group is not None and info.st_gid == group else 0
+    if info.st_mode & 0o077 & ~allowed:
+        raise PermissionError(f"{what}: {folder} has mode {stat.S_IMODE(info.st_mode):o}: other users may "
+                              f"replace the sockets in it; chmod 700 {folder}, or remove it")
+    return folder
+
+
+def peer_credentials(sock: socket.socket) -> PeerCredentials:
+    """Who holds the other end of the connected Unix socket ``sock`` (``SO_PEERCRED``)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)
+    return PeerCredentials(*_CREDENTIALS.unpack(raw))
+
+
+def check_peer(sock: socket.socket, *, what: str, group: int | None = None) -> PeerCredentials:
+    """The peer's credentials when it runs as this user (or in ``group``); ``PermissionError`` otherwise."""
+    peer = peer_credentials(sock)
+    if peer.uid == os.geteuid() or (group is not None and peer.gid == group):
+        return peer
+    allowed = f"uid {os.geteuid()}" + (f" or gid {group}" if group is not None else "")
+    raise PermissionError(f"{what}: the process on the other end (pid {peer.pid}) runs as uid {peer.uid} "
+                          f"gid {peer.gid}, not {allowed}: refusing to talk to it")

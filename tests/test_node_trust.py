@@ -1,0 +1,250 @@
+"""Who may talk to a node server, and what a client may do to entries it did not write.
+
+Real ``flowkv server`` processes; the other local user is ``nobody``
+(``local_users``), whose helpers are stdlib-only scripts speaking the wire
+protocol themselves.
+"""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from local_users import (  # noqa: F401 - shared_folder is a fixture
+    LISTENER,
+    NOBODY,
+    as_nobody,
+    needs_root,
+    shared_folder,
+    spawn_as_nobody,
+)
+from node_servers import (  # noqa: F401 - node_servers is a fixture
+    ROOT,
+    NodeServerProcess,
+    chunk_kv,
+    engine,
+    keys_of,
+    kv_for,
+    node_pipeline,
+    node_servers,
+    slots_for,
+)
+
+from flowkv.tiers import node_protocol as wire
+
+TOKENS = 160
+
+# A group member's client: speaks the frames itself (nobody cannot import flowkv), prints each reply.
+MEMBER = """
+import json, socket, struct, sys
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.settimeout(30)
+sock.connect(sys.argv[1])
+def call(i, message):
+    body = json.dumps(dict(message, id=i)).encode()
+    sock.sendall(struct.pack("<I", len(body)) + body)
+    n = struct.unpack("<I", sock.recv(4, socket.MSG_WAITALL))[0]
+    return json.loads(sock.recv(n, socket.MSG_WAITALL))
+try:
+    open(sys.argv[1] + ".token").read()
+    token = "READ"
+except OSError as exc:
+    token = exc.errno
+keys = json.loads(sys.argv[2])
+out = {"token": token, "hello": call(1, {"op": "hello", "client": "member"})}
+out["lookup"] = call(2, {"op": "lookup", "keys": keys})
+out["remove"] = call(3, {"op": "remove", "keys": keys[:1]})
+out["snapshot"] = call(4, {"op": "snapshot"})
+out["events"] = call(5, {"op": "events", "since": 0})
+out["stats"] = call(6, {"op": "stats"})
+print(json.dumps(out))
+"""
+
+
+def stored_by_an_engine(socket: Path, folder: Path, first: int = 0) -> tuple[list[str], torch.Tensor]:
+    e = engine(node_pipeline(folder, socket, name=f"writer-{first}"))
+    ids = torch.arange(first, first + TOKENS)
+    assert e.store(ids, kv_caches=kv_for(5), slot_mapping=slots_for(TOKENS)) == TOKENS
+    keys = keys_of(e, ids)
+    e.close()
+    return keys, ids
+
+
+def loads_back(pipeline: Path, ids: torch.Tensor) -> int:
+    e = engine(pipeline)
+    slots = slots_for(TOKENS)
+    dst = kv_for(6)
+    loaded = int(e.retrieve(ids, kv_caches=dst, slot_mapping=slots).sum())
+    assert torch.equal(chunk_kv(dst, slots[:loaded]), chunk_kv(kv_for(5), slots[:loaded]))
+    e.close()
+    return loaded
+
+
+def test_with_no_socket_named_both_sides_find_the_same_private_one(tmp_path, monkeypatch):
+    runtime = Path(tempfile.mkdtemp(prefix="fkvx-"))  # short: a socket path fits 107 bytes
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
+    expected = runtime / "flowkv" / "node.sock"
+    assert wire.default_socket_path() == expected
+    server = NodeServerProcess(expected, extra=["--default-socket"], env=env, log=tmp_path / "server.log")
+    old = os.umask(0)  # the loosest: the modes are the server's own
+    try:
+        server.start()
+    finally:
+        os.umask(old)
+    try:
+        assert server.fields["socket"] == str(expected)
+        modes = {path: stat.S_IMODE(os.lstat(path).st_mode) for path in
+                 (expected.parent, expected, wire.operator_token_path(expected))}
+        assert list(modes.values()) == [0o700, 0o600, 0o600]
+        segment = Path(server.fields["segment"])
+        assert segment.parent == wire.segment_folder()
+        assert stat.S_IMODE(segment.parent.stat().st_mode) == 0o700
+        assert stat.S_IMODE(segment.stat().st_mode) == 0o600
+        # A pipeline with no socket line (as the shipped node pipelines are) reaches the same server.
+        pipeline = tmp_path / "no-socket.toml"
+        pipeline.write_text(node_pipeline(tmp_path, expected).read_text().replace(f'socket = "{expected}"\n', ""))
+        assert "socket" not in pipeline.read_text()
+        e = engine(pipeline)
+        ids = torch.arange(TOKENS)
+        assert e.store(ids, kv_caches=kv_for(5), slot_mapping=slots_for(TOKENS)) == TOKENS
+        e.close()
+        assert loads_back(pipeline, ids) == TOKENS
+        status = subprocess.run([sys.executable, "-m", "flowkv.cli", "server", "status", "--json"],
+                                capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)["memory"]["entries"] == 10
+        assert server.stop() == 0
+        assert not os.path.lexists(expected) and not wire.operator_token_path(expected).exists()
+    finally:
+        server.kill()
+
+
+@needs_root
+def test_a_squatter_of_another_user_hears_nothing_and_the_real_server_says_why_it_cannot_start(
+        shared_folder, node_servers, tmp_path):
+    path = shared_folder / "node.sock"  # a socket given in a folder others may write, like /tmp
+    squatter = spawn_as_nobody(LISTENER, str(path), "12")
+    try:
+        assert squatter.stdout.readline().strip() == "listening"
+        with pytest.raises(wire.NodeRefused, match=rf"runs as uid {NOBODY.pw_uid}.*refusing to talk to it"):
+            wire.NodeConnection.connect(path, timeout_s=5.0)
+        e = engine(node_pipeline(tmp_path, path, name="to-squatter"))
+        ids = torch.arange(TOKENS)
+        assert e.lookup(ids) == 0
+        assert e.store(ids, kv_caches=kv_for(5), slot_mapping=slots_for(TOKENS)) == 0
+        tier = e.stats()["tiers"]["node"]
+        assert tier["connects"] == 0 and tier["calls"] == 0
+        e.close()
+        refused = subprocess.run([sys.executable, "-m", "flowkv.cli", "server", "--socket", str(path),
+                                  "--memory", "16MiB"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert refused.returncode == 1
+        assert f"a process of uid {NOBODY.pw_uid}" in refused.stderr and "not a flowkv server" in refused.stderr
+    finally:
+        out, _ = squatter.communicate(timeout=60)
+    assert "received 0 " in out  # clients connected, checked who listens, and hung up: no byte sent
+    # The honest path: a server of this user on a socket of its own serves the same engine code.
+    honest = node_servers("honest")
+    keys, ids = stored_by_an_engine(honest.socket, tmp_path)
+    assert loads_back(node_pipeline(tmp_path, honest.socket, name="honest"), ids) == TOKENS
+
+
+def test_a_segment_the_reply_names_is_opened_without_links_and_checked_for_owner_mode_and_name(tmp_path):
+    folder = tmp_path / "shm"
+    folder.mkdir(mode=0o700)
+    victim = tmp_path / "victim"  # a file of this user a listener would like written over
+    victim.write_bytes(b"precious" * 512)
+    victim.chmod(0o600)
+    link = folder / "flowkv-node-abc-1-ff"
+    link.symlink_to(victim)
+    with pytest.raises(wire.NodeRefused, match="cannot open the segment"):
+        wire.map_segment(str(link), 4096, victim.stat().st_ino)
+    with pytest.raises(wire.NodeRefused, match="not named like"):
+        wire.map_segment(str(victim), 4096, victim.stat().st_ino)
+    loose = folder / "flowkv-node-abc-2-ff"
+    loose.write_bytes(bytes(4096))
+    loose.chmod(0o644)
+    with pytest.raises(wire.NodeRefused, match="not a private segment"):
+        wire.map_segment(str(loose), 4096, loose.stat().st_ino)
+    loose.chmod(0o600)
+    with pytest.raises(wire.NodeRefused, match="not a private segment of uid 12345"):
+        wire.map_segment(str(loose), 4096, loose.stat().st_ino, owner=12345)
+    folder.chmod(0o777)
+    with pytest.raises(wire.NodeRefused, match="not a private segment"):
+        wire.map_segment(str(loose), 4096, loose.stat().st_ino)
+    folder.chmod(0o700)
+    assert wire.map_segment(str(loose), 4096, loose.stat().st_ino).nbytes == 4096
+    assert victim.read_bytes() == b"precious" * 512
+
+
+def test_without_the_operator_token_a_client_takes_no_snapshot_events_or_other_clients(node_servers, tmp_path):
+    server = node_servers("operator")
+    keys, ids = stored_by_an_engine(server.socket, tmp_path)
+    watcher = server.connect("watcher")  # with the token: an operator
+    plain = server.connect("plain", operator=False)
+    for op in ("snapshot", "events"):
+        with pytest.raises(wire.NodeError, match=f"{op} needs the operator token"):
+            plain.call(op)
+    stats = plain.call("stats")
+    assert [s["label"] for s in stats["sessions"]] == ["plain"]  # itself only
+    assert {s["label"] for s in watcher.call("stats")["sessions"]} >= {"watcher", "plain"}
+    assert sorted(watcher.call("snapshot")["keys"]) == sorted(keys)
+    # Clients are named by their credentials: a declared name is only a label.
+    impostor = server.connect(stats["sessions"][0]["client"], operator=False)
+    mine = impostor.call("stats")["sessions"]
+    assert mine[0]["client"] != stats["sessions"][0]["client"] and mine[0]["client"].startswith(f"uid{os.geteuid()}:")
+    with pytest.raises(wire.NodeError, match="operator_token is not"):
+        server.connect("forger", operator=False).call("hello", client="forger", operator_token="0" * 64)
+    assert server.status()["requests"]["operator_refused"] == 2
+    for conn in (watcher, plain, impostor):
+        conn.close()
+    assert loads_back(node_pipeline(tmp_path, server.socket, name="after"), ids) == TOKENS
+
+
+@needs_root
+def test_a_group_member_reads_but_cannot_remove_snapshot_or_read_the_token(shared_folder, tmp_path):
+    group = grp.getgrgid(NOBODY.pw_gid).gr_name
+    folder = shared_folder / "srv"
+    folder.mkdir(mode=0o755)
+    socket = folder / "node.sock"
+    server = NodeServerProcess(socket, extra=["--group", group], log=tmp_path / "group.log").start()
+    try:
+        assert stat.S_IMODE(socket.stat().st_mode) == 0o660 and socket.stat().st_gid == NOBODY.pw_gid
+        keys, ids = stored_by_an_engine(socket, tmp_path)
+        done = as_nobody(MEMBER, str(socket), json.dumps(keys))
+        assert done.returncode == 0, done.stderr
+        out = json.loads(done.stdout)
+        assert out["token"] == 13  # EACCES: the token is the server's user's
+        assert out["lookup"]["held"] == [True] * 10  # a member uses the cache
+        for op in ("remove", "snapshot", "events"):
+            assert not out[op]["ok"] and "operator token" in out[op]["error"]
+        assert [s["label"] for s in out["stats"]["sessions"]] == ["member"]
+        assert loads_back(node_pipeline(tmp_path, socket, name="owner"), ids) == TOKENS  # nothing removed
+    finally:
+        server.stop()
+
+
+def test_a_stale_segment_name_that_is_not_a_file_of_this_user_is_left_alone(node_servers, tmp_path):
+    socket = Path(node_servers.folder) / "stale.sock"
+    folder = wire.segment_folder()
+    folder.mkdir(mode=0o700, exist_ok=True)
+    kept = tmp_path / "kept"
+    kept.write_text("not a segment")
+    planted = folder / f"{wire.segment_prefix(socket)}4194300-dead"  # a pid no process has
+    planted.symlink_to(kept)
+    try:
+        server = node_servers("stale")
+        assert planted.is_symlink() and kept.read_text() == "not a segment"  # neither followed nor removed
+        assert "leaving" in server.log.read_text()
+        assert server.status()["requests"].get("stale_segments_removed", 0) == 0
+    finally:
+        planted.unlink()
