@@ -51,6 +51,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        help="send a prompt nobody holds yet where the same opening went this long ago")
     route.add_argument("--max-in-flight-gap", type=int, default=8,
                        help="skip a holder with this many more requests in flight than the least loaded backend")
+    route.add_argument("--token-file", type=Path, default=None,
+                       help="file holding a reader token of the controller (for its /lookup)")
+    route.add_argument("--connect-timeout-s", type=float, default=10.0, help="bound on connecting to a backend")
+    route.add_argument("--read-timeout-s", type=float, default=600.0,
+                       help="a backend silent this long (before its first byte or between two) answers 504")
+    route.add_argument("--max-body-bytes", type=int, default=16 << 20,
+                       help="larger request bodies are refused (413) before a backend is asked")
     route.add_argument("--log-level", default="info")
     route.set_defaults(func=run_route)
 
@@ -118,9 +125,15 @@ def run_route(args: argparse.Namespace) -> int:
     if args.policy == "prefix" and not args.controller:
         print("flowkv route: --policy prefix needs --controller URL", file=sys.stderr)
         return 2
+    try:
+        token = read_token(args.token_file)
+    except (OSError, ValueError) as exc:
+        print(f"flowkv route: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     router = Router(args.backend, controller=args.controller, policy=args.policy, tokenizer=args.tokenizer,
                     max_in_flight_gap=args.max_in_flight_gap, lookup_timeout_s=args.lookup_timeout_s,
-                    affinity_s=args.affinity_s)
+                    affinity_s=args.affinity_s, controller_token=token, connect_timeout_s=args.connect_timeout_s,
+                    read_timeout_s=args.read_timeout_s, max_body_bytes=args.max_body_bytes)
     serve(create_app(router), args.host, args.port, name="flowkv route", log_level=args.log_level)
     return 0
