@@ -102,7 +102,7 @@ def fleet(tmp_path):
         to = [backends["a"].url, backends["b"].url] if to is None else to
         proc = subprocess.Popen([str(Path(sys.executable).parent / "flowkv"), "route", "--port", "0",
                                  *[arg for url in to for arg in ("--backend", url)],
-                                 "--token-file", str(controller.token_file), "--log-level", "warning", *args],
+                                 "--token-file", str(controller.token_files["reader"]), "--log-level", "warning", *args],
                                 stdout=subprocess.PIPE, stderr=open(tmp_path / "route.log", "ab"),
                                 stdin=subprocess.DEVNULL)
         routes.append(proc)
