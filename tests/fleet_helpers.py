@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -33,11 +34,14 @@ class ControllerProcess:
     """
 
     def __init__(self, folder: Path, *, token: str | None = None, heartbeat_s: float = 0.5,
-                 timeout_s: float = 3.0, insecure: bool = False, args: Sequence[str] = ()) -> None:
+                 timeout_s: float = 3.0, insecure: bool = False, args: Sequence[str] = (),
+                 ca_file: Path | None = None) -> None:
         self.folder = folder
         self.folder.mkdir(parents=True, exist_ok=True)
         self.insecure = insecure
         self.args = list(args)
+        # an https controller's CA (its --tls-cert): what get and post check its certificate against
+        self.context = ssl.create_default_context(cafile=str(ca_file)) if ca_file else None
         self.tokens: dict[str, str] = {}
         self.token_files: dict[str, Path] = {}
         if token is not None:
@@ -74,7 +78,7 @@ class ControllerProcess:
         log = open(self.folder / f"controller-{self.starts}.log", "wb")
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL)
         line = self.proc.stdout.readline().decode()
-        match = re.search(r"listening on (http://[\d.]+:(\d+))", line)
+        match = re.search(r"listening on (https?://[\d.]+:(\d+))", line)
         if match is None:
             self.proc.kill()
             raise RuntimeError(f"flowkv controller did not start: {line!r}\n{self.log_tail()}")
@@ -111,10 +115,12 @@ class ControllerProcess:
         return self.tokens.get("instance" if path.startswith("/v1/") else "operator")
 
     def get(self, path: str, *, token: str | None = "default") -> Any:
-        return get(self.url + path, token=self.token_for(path) if token == "default" else token)
+        return get(self.url + path, token=self.token_for(path) if token == "default" else token,
+                   context=self.context)
 
     def post(self, path: str, body: dict[str, Any], *, token: str | None = "default") -> Any:
-        return post(self.url + path, body, token=self.token_for(path) if token == "default" else token)
+        return post(self.url + path, body, token=self.token_for(path) if token == "default" else token,
+                    context=self.context)
 
     def lookup(self, **body: Any) -> list[dict[str, Any]]:
         return self.post("/lookup", body)["holders"]
@@ -130,17 +136,18 @@ def _headers(token: str | None, extra: dict[str, str] | None = None) -> dict[str
     return headers
 
 
-def get(url: str, *, token: str | None = None, headers: dict[str, str] | None = None) -> Any:
+def get(url: str, *, token: str | None = None, headers: dict[str, str] | None = None,
+        context: ssl.SSLContext | None = None) -> Any:
     request = urllib.request.Request(url, headers=_headers(token, headers))
-    with urllib.request.urlopen(request, timeout=60) as reply:
+    with urllib.request.urlopen(request, timeout=60, context=context) as reply:
         return json.load(reply) if "json" in reply.headers.get("content-type", "") else reply.read().decode()
 
 
 def post(url: str, body: dict[str, Any] | bytes, *, token: str | None = None,
-         headers: dict[str, str] | None = None) -> Any:
+         headers: dict[str, str] | None = None, context: ssl.SSLContext | None = None) -> Any:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers=_headers(token, headers), method="POST")
-    with urllib.request.urlopen(request, timeout=60) as reply:
+    with urllib.request.urlopen(request, timeout=60, context=context) as reply:
         return json.load(reply)
 
 

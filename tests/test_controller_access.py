@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from fleet_helpers import ControllerProcess, chunk_keys, get, post, status_of, wait_for
+from test_route import Backend, complete
 from flowkv.fleet.protocol import CommandResult, Registration, TierInfo
 from flowkv.fleet.reporter import Reporter, ReporterConfig, new_session
 
@@ -231,6 +232,56 @@ def _clears_queued(controller: ControllerProcess) -> int:
         if line.startswith('flowkv_controller_messages_total{kind="clears"}'):
             return int(float(line.split()[-1]))
     return 0
+
+
+def test_over_tls_reporters_routers_and_people_check_the_certificate(tmp_path):
+    from redis_servers import TlsFiles  # the same throw-away CA and 127.0.0.1 certificate
+
+    tls = TlsFiles.create(tmp_path / "pki")
+    process = ControllerProcess(tmp_path / "tls", ca_file=tls.ca_cert,
+                                args=["--tls-cert", str(tls.server_cert), "--tls-key", str(tls.server_key)]).start()
+    try:
+        assert process.url.startswith("https://127.0.0.1:")
+        trusting = Reporter(ReporterConfig(url=process.url, heartbeat_s=0.3, token_file=str(process.token_file),
+                                           ca_file=str(tls.ca_cert)), registration("over-tls")).start()
+        # Without the CA the certificate is not trusted: the reporter is refused, counted, and goes on.
+        doubting = reporter_for(process, "no-ca", process.token_file)
+        try:
+            trusting.offer("admit", "memory", chunk_keys(TOKENS, chunk_size=16)[0])
+            assert trusting.wait_idle(60)
+            assert holders(process) == {"over-tls": 16}
+            wait_for(lambda: doubting.counters["controller_errors"] >= 1, "the untrusting reporter fails")
+            assert process.instance("no-ca") is None
+            # Plain HTTP to the TLS port gets no answer.
+            assert _plain_http_fails(process.url)
+            # flowkv route asks an https controller, given its CA.
+            backend = Backend("a")
+            route = subprocess.Popen([FLOWKV, "route", "--port", "0", "--backend", backend.url, "--controller",
+                                      process.url, "--controller-ca-file", str(tls.ca_cert), "--token-file",
+                                      str(process.token_files["reader"]), "--lookup-timeout-s", "30",
+                                      "--log-level", "warning"], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+            try:
+                url = route.stdout.readline().decode().split("listening on ")[1].strip()
+                wait_for(lambda: get(url + "/health")["status"] == "ok", "route is up")
+                _, headers = complete(url, TOKENS)
+                assert headers["x-flowkv-route"] == "no-holder"  # the lookup answered (no holder at a's URL)
+            finally:
+                route.terminate()
+                route.wait(timeout=30)
+                backend.close()
+        finally:
+            trusting.close()
+            doubting.close()
+    finally:
+        process.close()
+
+
+def _plain_http_fails(url: str) -> bool:
+    try:
+        get(url.replace("https://", "http://") + "/health")
+    except (urllib.error.URLError, ConnectionError, OSError):
+        return True
+    return False
 
 
 def test_a_wrong_token_in_a_url_error_names_the_role(controller):

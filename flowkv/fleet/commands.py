@@ -71,6 +71,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        help="skip a holder with this many more requests in flight than the least loaded backend")
     route.add_argument("--token-file", type=Path, default=None,
                        help="file holding a reader token of the controller (for its /lookup)")
+    route.add_argument("--controller-ca-file", default=None,
+                       help="the CA bundle an https:// controller's (and https backends') certificate is "
+                            "checked against (default: the system's)")
     route.add_argument("--connect-timeout-s", type=float, default=10.0, help="bound on connecting to a backend")
     route.add_argument("--read-timeout-s", type=float, default=600.0,
                        help="a backend silent this long (before its first byte or between two) answers 504")
@@ -174,6 +177,7 @@ def run_route(args: argparse.Namespace) -> int:
     router = Router(args.backend, controller=args.controller, policy=args.policy, tokenizer=args.tokenizer,
                     max_in_flight_gap=args.max_in_flight_gap, lookup_timeout_s=args.lookup_timeout_s,
                     affinity_s=args.affinity_s, controller_token=token, connect_timeout_s=args.connect_timeout_s,
-                    read_timeout_s=args.read_timeout_s, max_body_bytes=args.max_body_bytes)
+                    read_timeout_s=args.read_timeout_s, max_body_bytes=args.max_body_bytes,
+                    controller_ca_file=args.controller_ca_file)
     serve(create_app(router), args.host, args.port, name="flowkv route", log_level=args.log_level)
     return 0

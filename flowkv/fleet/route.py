@@ -35,6 +35,7 @@ import collections
 import itertools
 import json
 import logging
+import ssl
 import time
 from contextlib import asynccontextmanager
 from typing import Any
@@ -62,7 +63,7 @@ class Router:
                  tokenizer: str | None = None, max_in_flight_gap: int = 8, lookup_timeout_s: float = 2.0,
                  affinity_tokens: int = 256, affinity_s: float = 60.0, controller_token: str | None = None,
                  connect_timeout_s: float = 10.0, read_timeout_s: float = 600.0,
-                 max_body_bytes: int = 16 << 20) -> None:
+                 max_body_bytes: int = 16 << 20, controller_ca_file: str | None = None) -> None:
         if not backends:
             raise ValueError("flowkv route needs at least one backend")
         if policy not in ("prefix", "round-robin"):
@@ -79,6 +80,7 @@ class Router:
         # the longest a backend may stay silent: before its first byte (a long prefill) or between two
         self.read_timeout_s = read_timeout_s
         self.max_body_bytes = max_body_bytes
+        self.controller_ca_file = controller_ca_file
         self.in_flight = {url: 0 for url in self.backends}
         self.affinity_tokens = affinity_tokens
         self.affinity_s = affinity_s
@@ -95,7 +97,9 @@ class Router:
         # every request
         timeout = httpx.Timeout(connect=self.connect_timeout_s, read=self.read_timeout_s, write=self.read_timeout_s,
                                 pool=self.connect_timeout_s)
-        self.client = httpx.AsyncClient(timeout=timeout,
+        # Backends and an https:// controller alike: certificates checked (against this CA bundle when given).
+        verify = ssl.create_default_context(cafile=self.controller_ca_file) if self.controller_ca_file else True
+        self.client = httpx.AsyncClient(timeout=timeout, verify=verify,
                                         limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
 
     async def close(self) -> None:
