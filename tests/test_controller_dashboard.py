@@ -180,7 +180,8 @@ def test_the_dashboard_shows_instances_hit_rate_latency_events_and_answers_a_pas
         cells = found[0][1]
         assert int(cells[2]) == 16 * (len(keys) - 1)
         assert cells[3] == f"memory: {len(keys) - 2}, disk: 1"
-        assert browser.find_element(By.ID, "lookup-status").text.startswith(f"{len(tokens)} tokens · 2 holders")
+        status = fresh(lambda: browser.find_element(By.ID, "lookup-status").text, "the lookup's status line")
+        assert status.startswith(f"{len(tokens)} tokens · 2 holders")
         time.sleep(2.5)  # one more refresh, so the screenshot shows a settled page
         if os.environ.get("FLOWKV_WRITE_SCREENSHOT"):
             browser.set_window_size(1400, 1150)
