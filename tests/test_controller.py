@@ -326,10 +326,12 @@ def test_the_controller_table_comes_from_the_pipeline_file_or_the_connector_extr
     from flowkv.pipeline import PipelineError, builtin_pipelines, load_pipeline
 
     settings = ConnectorSettings.from_extra_config(
-        {"pipeline": "local-cpu", "controller": {"url": "http://127.0.0.1:9100", "heartbeat_s": 0.5}},
+        {"pipeline": "local-cpu", "controller": {"url": "https://127.0.0.1:9100", "heartbeat_s": 0.5,
+                                                 "token_file": "~/.flowkv/instance.token", "ca_file": "/ca.pem"}},
         default_model="m")
     controller = load_pipeline(settings.pipeline, overrides=settings.overrides).controller
-    assert (controller.url, controller.heartbeat_s, controller.kv_events) == ("http://127.0.0.1:9100", 0.5, True)
+    assert (controller.url, controller.heartbeat_s, controller.kv_events) == ("https://127.0.0.1:9100", 0.5, True)
+    assert (controller.token_file, controller.ca_file) == ("~/.flowkv/instance.token", "/ca.pem")
     assert load_pipeline("local-cpu").controller.url is None  # off unless asked for
 
     text = builtin_pipelines()["local-cpu"].read_text() + '\n[controller]\nurll = "http://127.0.0.1:9100"\n'
