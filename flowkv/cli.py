@@ -123,7 +123,7 @@ def describe(pipeline) -> dict[str, Any]:
 
     def plain(value: Any) -> Any:
         if attrs.has(type(value)):
-            return {k: plain(v) for k, v in attrs.asdict(value, recurse=False).items()}
+            return {f.name: shown(f, getattr(value, f.name)) for f in attrs.fields(type(value))}
         if isinstance(value, (list, tuple)):
             return [plain(v) for v in value]
         if isinstance(value, dict):
@@ -131,6 +131,15 @@ def describe(pipeline) -> dict[str, Any]:
         if isinstance(value, (str, int, float, bool)) or value is None:
             return value
         return str(value)
+
+    def shown(field: attrs.Attribute, value: Any) -> Any:
+        # A field kept out of repr (a password) is kept out of here too; one with a repr function
+        # (a URL that may hold a password) is shown through it.
+        if field.repr is False:
+            return None if value is None else "***"
+        if callable(field.repr) and value is not None:
+            return field.repr(value)
+        return plain(value)
 
     def stages(specs) -> list[dict[str, Any]]:
         return [

@@ -145,7 +145,7 @@ _SECTIONS = {
     "quality": QualitySpec,
     "controller": ControllerSpec,
 }
-_SIZE_FIELDS = ("capacity", "max_bytes", "slab_size")
+_SIZE_FIELDS = ("capacity", "max_bytes", "slab_size", "max_value_bytes")
 
 
 def _make_converter() -> cattrs.Converter:

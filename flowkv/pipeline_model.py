@@ -131,7 +131,8 @@ class ControllerSpec:
     instance_id: str | None = None  # default: advertise_url's host:port, else the host name and vLLM's instance id
     advertise_url: str | None = None  # where this instance serves requests, for `flowkv route`
     heartbeat_s: float = 2.0
-    token_file: str | None = None  # the controller's bearer token
+    token_file: str | None = None  # an instance token of the controller
+    ca_file: str | None = None  # an https:// controller's CA bundle (default: the system's)
     max_queue: int = 100_000  # events waiting to be sent; past this they are dropped and counted
     kv_events: bool = True  # also publish tier events as vLLM KV events (when vLLM's --kv-events-config is on)
 

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -21,18 +22,39 @@ from flowkv.keys import KeyPrefix, chain_hashes
 READY_TIMEOUT_S = 120.0
 
 
+ROLES = ("instance", "reader", "operator")
+
+
 class ControllerProcess:
-    """``flowkv controller`` in a process of its own, on loopback; ``restart`` keeps its port."""
+    """``flowkv controller`` in a process of its own, on loopback; ``restart`` keeps its port.
+
+    With ``token``, that one token serves every role (``--token-file``); without, each role has a token file
+    of its own (``tokens[role]``, ``token_files[role]``); ``insecure`` runs it with none. ``token_file`` is
+    what a reporter needs (the instance token); ``get`` and ``post`` carry the token a path's role needs.
+    """
 
     def __init__(self, folder: Path, *, token: str | None = None, heartbeat_s: float = 0.5,
-                 timeout_s: float = 3.0) -> None:
+                 timeout_s: float = 3.0, insecure: bool = False, args: Sequence[str] = (),
+                 ca_file: Path | None = None) -> None:
         self.folder = folder
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.token = token
-        self.token_file: Path | None = None
+        self.insecure = insecure
+        self.args = list(args)
+        # an https controller's CA (its --tls-cert): what get and post check its certificate against
+        self.context = ssl.create_default_context(cafile=str(ca_file)) if ca_file else None
+        self.tokens: dict[str, str] = {}
+        self.token_files: dict[str, Path] = {}
         if token is not None:
-            self.token_file = folder / "token"
-            self.token_file.write_text(token + "\n")
+            self.tokens = dict.fromkeys(ROLES, token)
+            self.token_files = dict.fromkeys(ROLES, folder / "token")
+            (folder / "token").write_text(token + "\n")
+        elif not insecure:
+            for role in ROLES:
+                self.tokens[role] = f"{role}-{os.urandom(8).hex()}"
+                self.token_files[role] = folder / f"{role}.tokens"
+                self.token_files[role].write_text(self.tokens[role] + "\n")
+        self.token = self.tokens.get("operator")
+        self.token_file: Path | None = self.token_files.get("instance")
         self.heartbeat_s = heartbeat_s
         self.timeout_s = timeout_s
         self.port = 0
@@ -44,13 +66,19 @@ class ControllerProcess:
         command = [str(Path(sys.executable).parent / "flowkv"), "controller", "--host", "127.0.0.1",
                    "--port", str(self.port), "--heartbeat-s", str(self.heartbeat_s),
                    "--timeout-s", str(self.timeout_s), "--log-level", "warning"]
-        if self.token_file is not None:
-            command += ["--token-file", str(self.token_file)]
+        if self.insecure:
+            command.append("--insecure")
+        elif len(set(self.token_files.values())) == 1:
+            command += ["--token-file", str(self.token_files["operator"])]
+        else:
+            for role, path in self.token_files.items():
+                command += [f"--{role}-token-file", str(path)]
+        command += self.args
         self.starts += 1
         log = open(self.folder / f"controller-{self.starts}.log", "wb")
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL)
         line = self.proc.stdout.readline().decode()
-        match = re.search(r"listening on (http://[\d.]+:(\d+))", line)
+        match = re.search(r"listening on (https?://[\d.]+:(\d+))", line)
         if match is None:
             self.proc.kill()
             raise RuntimeError(f"flowkv controller did not start: {line!r}\n{self.log_tail()}")
@@ -82,12 +110,17 @@ class ControllerProcess:
 
     # -- HTTP -----------------------------------------------------------------
 
-    def get(self, path: str) -> Any:
-        with urllib.request.urlopen(self.url + path, timeout=30) as reply:
-            return json.load(reply)
+    def token_for(self, path: str) -> str | None:
+        """The token a request to ``path`` needs (the operator's serves a reader's calls too)."""
+        return self.tokens.get("instance" if path.startswith("/v1/") else "operator")
+
+    def get(self, path: str, *, token: str | None = "default") -> Any:
+        return get(self.url + path, token=self.token_for(path) if token == "default" else token,
+                   context=self.context)
 
     def post(self, path: str, body: dict[str, Any], *, token: str | None = "default") -> Any:
-        return post(self.url + path, body, token=self.token if token == "default" else token)
+        return post(self.url + path, body, token=self.token_for(path) if token == "default" else token,
+                    context=self.context)
 
     def lookup(self, **body: Any) -> list[dict[str, Any]]:
         return self.post("/lookup", body)["holders"]
@@ -96,12 +129,25 @@ class ControllerProcess:
         return next((i for i in self.get("/instances") if i["instance_id"] == instance_id), None)
 
 
-def post(url: str, body: dict[str, Any], *, token: str | None = None) -> Any:
-    headers = {"Content-Type": "application/json"}
+def _headers(token: str | None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    headers = {"Content-Type": "application/json", **(extra or {})}
     if token is not None:
         headers["Authorization"] = f"Bearer {token}"
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
-    with urllib.request.urlopen(request, timeout=60) as reply:
+    return headers
+
+
+def get(url: str, *, token: str | None = None, headers: dict[str, str] | None = None,
+        context: ssl.SSLContext | None = None) -> Any:
+    request = urllib.request.Request(url, headers=_headers(token, headers))
+    with urllib.request.urlopen(request, timeout=60, context=context) as reply:
+        return json.load(reply) if "json" in reply.headers.get("content-type", "") else reply.read().decode()
+
+
+def post(url: str, body: dict[str, Any] | bytes, *, token: str | None = None,
+         headers: dict[str, str] | None = None, context: ssl.SSLContext | None = None) -> Any:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers=_headers(token, headers), method="POST")
+    with urllib.request.urlopen(request, timeout=60, context=context) as reply:
         return json.load(reply)
 
 

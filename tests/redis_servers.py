@@ -68,11 +68,13 @@ def free_port(*, with_cluster_bus: bool = False) -> int:
 
 @dataclass(frozen=True)
 class TlsFiles:
-    """A throw-away CA and a server certificate for 127.0.0.1."""
+    """A throw-away CA, a server certificate for 127.0.0.1 and a client certificate."""
 
     ca_cert: Path
     server_cert: Path
     server_key: Path
+    client_cert: Path
+    client_key: Path
 
     @classmethod
     def create(cls, folder: Path) -> TlsFiles:
@@ -80,7 +82,8 @@ class TlsFiles:
         if openssl is None:
             pytest.skip("openssl is not installed")
         folder.mkdir(parents=True, exist_ok=True)
-        files = cls(folder / "ca.crt", folder / "server.crt", folder / "server.key")
+        files = cls(folder / "ca.crt", folder / "server.crt", folder / "server.key", folder / "client.crt",
+                    folder / "client.key")
         ca_key, csr, ext = folder / "ca.key", folder / "server.csr", folder / "san.ext"
         ext.write_text("subjectAltName=IP:127.0.0.1\n")
         ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
@@ -89,6 +92,9 @@ class TlsFiles:
             ["req", *ec, "-keyout", files.server_key, "-out", csr, "-subj", "/CN=127.0.0.1"],
             ["x509", "-req", "-in", csr, "-CA", files.ca_cert, "-CAkey", ca_key, "-CAcreateserial",
              "-out", files.server_cert, "-days", "2", "-extfile", ext],
+            ["req", *ec, "-keyout", files.client_key, "-out", csr, "-subj", "/CN=flowkv-test-client"],
+            ["x509", "-req", "-in", csr, "-CA", files.ca_cert, "-CAkey", ca_key, "-CAcreateserial",
+             "-out", files.client_cert, "-days", "2"],
         ):
             subprocess.run([openssl, *map(str, args)], check=True, capture_output=True, timeout=_READY_S)
         return files
@@ -164,6 +170,8 @@ class RedisServer:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw:
                     if self.tls:
                         context = ssl.create_default_context(cafile=str(self.tls.ca_cert))
+                        # (a server started with --tls-auth-clients yes asks for it)
+                        context.load_cert_chain(str(self.tls.client_cert), str(self.tls.client_key))
                         with context.wrap_socket(raw, server_hostname="127.0.0.1") as sock:
                             sock.sendall(b"PING\r\n")
                             reply = sock.recv(64)
@@ -180,7 +188,8 @@ class RedisServer:
 
     def cli(self, *args: str) -> str:
         """Run ``redis-cli -p PORT ARGS`` and return its output."""
-        tls_args = ["--tls", "--cacert", str(self.tls.ca_cert)] if self.tls else []
+        tls_args = ["--tls", "--cacert", str(self.tls.ca_cert), "--cert", str(self.tls.client_cert),
+                    "--key", str(self.tls.client_key)] if self.tls else []
         done = subprocess.run(
             [REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), *tls_args, *args],
             check=True, capture_output=True, text=True, timeout=_READY_S,

@@ -25,20 +25,20 @@ from fleet_helpers import (
 from flowkv.fleet.protocol import CommandResult, Registration, TierInfo
 from flowkv.fleet.reporter import Reporter, ReporterConfig, new_session
 
-TOKEN = "s3cret-token"
 TOKENS = list(range(1000, 1100))
 
 
 @pytest.fixture(scope="module")
 def controller(tmp_path_factory):
-    process = ControllerProcess(tmp_path_factory.mktemp("controller"), token=TOKEN).start()
+    process = ControllerProcess(tmp_path_factory.mktemp("controller")).start()  # a token file per role
     yield process
     process.close()
 
 
 def make_reporter(controller, instance_id, *, chunk_size=16, hash_name="sha256", tiers=("memory", "disk"),
-                  token=TOKEN, tmp_path=None, **config):
+                  token="instance", tmp_path=None, **config):
     token_file = None
+    token = controller.tokens["instance"] if token == "instance" else token
     if token is not None:
         token_file = tmp_path / f"{instance_id}.token"
         token_file.write_text(token)
@@ -143,8 +143,8 @@ def test_a_full_queue_drops_and_counts_events_without_blocking_and_a_snapshot_he
         process.port = probe.getsockname()[1]
     registration = Registration(instance_id="late", session=new_session(), model="m", chunk_size=16,
                                 hash="sha256", tiers=[TierInfo(name="memory", kind="memory")])
-    reporter = Reporter(ReporterConfig(url=f"http://127.0.0.1:{process.port}", heartbeat_s=0.3, max_queue=2),
-                        registration).start()
+    reporter = Reporter(ReporterConfig(url=f"http://127.0.0.1:{process.port}", heartbeat_s=0.3, max_queue=2,
+                                       token_file=str(process.token_file)), registration).start()
     try:
         keys = chunk_keys(TOKENS, chunk_size=16)
         for key in keys:
@@ -196,7 +196,7 @@ def test_a_lapsed_instance_is_marked_down_and_comes_back_by_itself(controller):
 
 def test_a_controller_restart_is_followed_by_a_resync_that_restores_the_directory(tmp_path):
     process = ControllerProcess(tmp_path / "restart").start()
-    reporter = Reporter(ReporterConfig(url=process.url, heartbeat_s=0.3),
+    reporter = Reporter(ReporterConfig(url=process.url, heartbeat_s=0.3, token_file=str(process.token_file)),
                         Registration(instance_id="survivor", session=new_session(), model="m", chunk_size=16,
                                      hash="sha256", tiers=[TierInfo(name="memory", kind="memory")])).start()
     try:
@@ -225,14 +225,18 @@ def test_commands_need_the_token_and_reach_the_instances(controller, tmp_path):
         for key in keys[:3]:
             reporter.offer("admit", "memory", key)
         assert reporter.wait_idle(60)
-        # No token, a wrong one, a wrong scheme: refused, nothing queued.
-        for token in (None, "wrong"):
+        # No token, a wrong one, another role's: refused, nothing queued.
+        for token in (None, "wrong", controller.tokens["reader"], controller.tokens["instance"]):
             assert status_of(lambda: controller.post("/clear", {"instance_id": "cmd"}, token=token)) == 401
-        assert status_of(lambda: post(controller.url + "/v1/register",
-                                      reporter.registration.model_dump(mode="json"), token="wrong")) == 401
+        for token in ("wrong", controller.tokens["reader"], controller.tokens["operator"]):
+            assert status_of(lambda: post(controller.url + "/v1/register",
+                                          reporter.registration.model_dump(mode="json"), token=token)) == 401
         assert status_of(lambda: controller.post("/pin", {"token_ids": TOKENS}, token=None)) == 401
         assert reporter.commands == []
-        assert "cmd" in {h["instance_id"] for h in controller.lookup(token_ids=TOKENS)}  # queries need none
+        # Queries need a reader's (or an operator's) token.
+        assert status_of(lambda: controller.post("/lookup", {"token_ids": TOKENS}, token=None)) == 401
+        assert "cmd" in {h["instance_id"] for h in controller.post(
+            "/lookup", {"token_ids": TOKENS}, token=controller.tokens["reader"])["holders"]}
 
         # Without an instance, a pin goes to every instance holding a prefix.
         assert "cmd" in controller.post("/pin", {"token_ids": TOKENS[:40]})["instances"]
@@ -268,21 +272,21 @@ def test_metrics_openapi_and_the_dashboard_are_served(controller, tmp_path):
         assert reporter.wait_idle(60)  # registered and synced: what follows goes as an event
         reporter.offer("admit", "memory", chunk_keys(TOKENS, chunk_size=16)[0])
         assert reporter.wait_idle(60)
-        with urllib.request.urlopen(controller.url + "/metrics") as reply:
-            metrics = reply.read().decode()
+        for path in ("/metrics", "/openapi.json", "/docs", "/instances", "/api/events", "/api/history"):
+            assert status_of(lambda: urllib.request.urlopen(controller.url + path)) == 401, path
+        metrics = controller.get("/metrics", token=controller.tokens["reader"])
         assert 'flowkv_controller_chunks{instance="seen",rank="0"} 1' in metrics
         assert 'flowkv_controller_instances{state="up"}' in metrics
         schema = controller.get("/openapi.json")
         assert {"/lookup", "/instances", "/clear", "/pin", "/prefetch", "/health", "/metrics"} <= set(schema["paths"])
-        with urllib.request.urlopen(controller.url + "/docs") as reply:
-            assert "swagger" in reply.read().decode().lower()
-        with urllib.request.urlopen(controller.url + "/") as reply:
+        assert "swagger" in controller.get("/docs").lower()
+        with urllib.request.urlopen(controller.url + "/") as reply:  # the page itself holds no data: no token
             page = reply.read().decode()
         assert "/dashboard.js" in page and "http" not in page.split("<script")[1].split("</script>")[0].replace(
             'src="/dashboard.js"', "")
         events = controller.get("/api/events?limit=200")
         assert any(e["instance_id"] == "seen" and e["op"] == "admit" for e in events)
-        assert json.dumps(controller.get("/health"))
+        assert json.dumps(controller.get("/health", token=None))
     finally:
         reporter.close()
 
@@ -290,9 +294,7 @@ def test_metrics_openapi_and_the_dashboard_are_served(controller, tmp_path):
 def test_chunks_in_a_node_servers_shared_tier_count_for_the_instances_that_share_it(controller, tmp_path):
     # A node server reports as a holder of its own (kind "server"); an instance whose pipeline reads
     # through it lists it in `shared`. Lookups name the instances, never the server itself.
-    token_file = tmp_path / "token"
-    token_file.write_text(TOKEN)
-    config = ReporterConfig(url=controller.url, heartbeat_s=0.3, token_file=str(token_file))
+    config = ReporterConfig(url=controller.url, heartbeat_s=0.3, token_file=str(controller.token_file))
     server = Reporter(config, Registration(instance_id="node-1", kind="server", session=new_session(), model="m",
                                            chunk_size=16, hash="sha256",
                                            tiers=[TierInfo(name="shm", kind="memory")])).start()
@@ -325,10 +327,12 @@ def test_the_controller_table_comes_from_the_pipeline_file_or_the_connector_extr
     from flowkv.pipeline import PipelineError, builtin_pipelines, load_pipeline
 
     settings = ConnectorSettings.from_extra_config(
-        {"pipeline": "local-cpu", "controller": {"url": "http://127.0.0.1:9100", "heartbeat_s": 0.5}},
+        {"pipeline": "local-cpu", "controller": {"url": "https://127.0.0.1:9100", "heartbeat_s": 0.5,
+                                                 "token_file": "~/.flowkv/instance.token", "ca_file": "/ca.pem"}},
         default_model="m")
     controller = load_pipeline(settings.pipeline, overrides=settings.overrides).controller
-    assert (controller.url, controller.heartbeat_s, controller.kv_events) == ("http://127.0.0.1:9100", 0.5, True)
+    assert (controller.url, controller.heartbeat_s, controller.kv_events) == ("https://127.0.0.1:9100", 0.5, True)
+    assert (controller.token_file, controller.ca_file) == ("~/.flowkv/instance.token", "/ca.pem")
     assert load_pipeline("local-cpu").controller.url is None  # off unless asked for
 
     text = builtin_pipelines()["local-cpu"].read_text() + '\n[controller]\nurll = "http://127.0.0.1:9100"\n'

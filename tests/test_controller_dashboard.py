@@ -4,7 +4,10 @@ A live controller with three registered instances (two up, one down) and
 the history of their heartbeats; the test reads the page as a person would:
 the instances with their state, model, pipeline and tier fill, a hit-rate
 line per instance, latency percentiles, recent events, and a prompt pasted
-into the lookup box naming the instance that holds it. The last screenshot is
+into the lookup box naming the instance that holds it. The page asks for a
+reader token once and keeps it for the tab (a reload does not ask again). The
+page redraws every two seconds, so every read of an element retries when the
+element was replaced under it. The last screenshot is
 written to ``docs/dashboard.png`` when ``FLOWKV_WRITE_SCREENSHOT`` is set.
 """
 
@@ -48,13 +51,14 @@ class Counters:
                                      "capacity_bytes": self.capacity}}}
 
 
-def instance(url: str, instance_id: str, *, pipeline: str, stats: Counters) -> Reporter:
+def instance(url: str, instance_id: str, *, pipeline: str, stats: Counters, token_file: Path) -> Reporter:
     registration = Registration(
         instance_id=instance_id, session=new_session(), model="tiny", tokenizer=str(tiny_model_dir()),
         url=f"http://127.0.0.1:{8000 + ord(instance_id[-1]) - ord('a')}", pipeline=pipeline, chunk_size=16, hash="sha256_cbor",
         tiers=[TierInfo(name="memory", kind="memory", capacity_bytes=stats.capacity),
                TierInfo(name="disk", kind="disk", capacity_bytes=8 << 30)])
-    reporter = Reporter(ReporterConfig(url=url, heartbeat_s=0.3), registration, stats=stats).start()
+    reporter = Reporter(ReporterConfig(url=url, heartbeat_s=0.3, token_file=str(token_file)), registration,
+                        stats=stats).start()
     reporter.observe_latencies({"store": [2.0, 2.5, 3.1, 9.0], "retrieve": [0.8, 1.1, 1.2, 4.0]})
     return reporter
 
@@ -78,16 +82,33 @@ def browser():
     shutil.rmtree(profile, ignore_errors=True)
 
 
+def fresh(read, what: str, timeout_s: float = 60):
+    """``read()`` once it is truthy, retried while the page replaces the elements it reads."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    def attempt():
+        try:
+            return read()
+        except StaleElementReferenceException:
+            return None
+
+    return wait_for(attempt, what, timeout_s=timeout_s)
+
+
 def test_the_dashboard_shows_instances_hit_rate_latency_events_and_answers_a_pasted_prompt(tmp_path, browser):
     from selenium.webdriver.common.by import By
 
     controller = ControllerProcess(tmp_path / "controller", timeout_s=2.0).start()
+    token_file = controller.token_file
     reporters = []
     try:
         tokens = Tokenizers().encode(str(tiny_model_dir()), prompt=DOCUMENT)
-        holder = instance(controller.url, "vllm-a", pipeline="cpu-disk", stats=Counters(0.3, 4 << 30))
-        other = instance(controller.url, "vllm-b", pipeline="local-cpu", stats=Counters(0.1, 2 << 30))
-        gone = instance(controller.url, "vllm-c", pipeline="local-cpu", stats=Counters(0.0, 2 << 30))
+        holder = instance(controller.url, "vllm-a", pipeline="cpu-disk", stats=Counters(0.3, 4 << 30),
+                          token_file=token_file)
+        other = instance(controller.url, "vllm-b", pipeline="local-cpu", stats=Counters(0.1, 2 << 30),
+                         token_file=token_file)
+        gone = instance(controller.url, "vllm-c", pipeline="local-cpu", stats=Counters(0.0, 2 << 30),
+                        token_file=token_file)
         reporters += [holder, other, gone]
         assert all(r.wait_idle(60) for r in reporters)
         keys = chunk_keys(tokens, chunk_size=16, hash_name="sha256_cbor", model="tiny")
@@ -102,38 +123,65 @@ def test_the_dashboard_shows_instances_hit_rate_latency_events_and_answers_a_pas
         wait_for(lambda: len(controller.get("/api/history").get("vllm-a", [])) >= 4, "heartbeats carry stats")
 
         browser.get(controller.url + "/")
-        rows = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#instances tbody tr[data-instance]"),
-                        "the instances table is filled", timeout_s=60)
-        table = {row.get_attribute("data-instance"): row.text for row in rows}
+        # No token yet: the page asks for one (a wrong one is refused and asked for again).
+        for token in ("not-a-token", controller.tokens["reader"]):
+            fresh(lambda: browser.find_element(By.ID, "token-form").is_displayed(), "the page asks for a token")
+            browser.find_element(By.ID, "token-input").send_keys(token)
+            browser.find_element(By.ID, "token-button").click()
+        fresh(lambda: browser.find_elements(By.CSS_SELECTOR, "#instances tbody tr[data-instance]"),
+              "the instances table is filled")
+        assert browser.execute_script("return sessionStorage.getItem('flowkv-controller-token')") == \
+            controller.tokens["reader"]
+        assert browser.execute_script("return localStorage.length") == 0
+        browser.refresh()  # the same tab: the token is kept, nothing is asked again
+
+        def table():
+            rows = browser.find_elements(By.CSS_SELECTOR, "#instances tbody tr[data-instance]")
+            return {row.get_attribute("data-instance"): row.text for row in rows}
+
+        table = fresh(lambda: (lambda t: t if len(t) == 3 else None)(table()), "the instances table is filled")
+        assert not browser.find_element(By.ID, "token-form").is_displayed()
         assert set(table) == {"vllm-a", "vllm-b", "vllm-c"}
         assert "up" in table["vllm-a"] and "cpu-disk" in table["vllm-a"] and "tiny" in table["vllm-a"]
         assert "down" in table["vllm-c"]
-        summary = browser.find_element(By.ID, "summary").text
-        assert summary == "3 instances · 2 up · 1 down"
+        assert fresh(lambda: browser.find_element(By.ID, "summary").text == "3 instances · 2 up · 1 down",
+                     "the summary counts the instances")
+
         # Tier fill: one bar per tier, memory filling as heartbeats report it.
-        bars = browser.find_elements(By.CSS_SELECTOR, 'tr[data-instance="vllm-a"] .tier')
-        assert [bar.get_attribute("data-tier") for bar in bars] == ["memory", "disk"]
-        assert f"{len(keys) - 2} chunks" in bars[0].text and "1 chunks" in bars[1].text
-        assert int(bars[0].find_element(By.TAG_NAME, "em").text.rstrip("%")) > 0
+        def bars():
+            found = browser.find_elements(By.CSS_SELECTOR, 'tr[data-instance="vllm-a"] .tier')
+            return [(bar.get_attribute("data-tier"), bar.text, bar.find_element(By.TAG_NAME, "em").text)
+                    for bar in found]
+
+        tiers = fresh(bars, "vllm-a's tiers are drawn")
+        assert [name for name, _, _ in tiers] == ["memory", "disk"]
+        assert f"{len(keys) - 2} chunks" in tiers[0][1] and "1 chunks" in tiers[1][1]
+        assert int(tiers[0][2].rstrip("%")) > 0
         # Hit rate over time: a line per instance that reports lookups.
-        wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#hitrate polyline"), "the hit-rate chart is drawn")
-        assert "vllm-a" in browser.find_element(By.ID, "hitrate-legend").text
-        latency = browser.find_element(By.ID, "latency").text
+        fresh(lambda: browser.find_elements(By.CSS_SELECTOR, "#hitrate polyline"), "the hit-rate chart is drawn")
+        assert "vllm-a" in fresh(lambda: browser.find_element(By.ID, "hitrate-legend").text, "the legend")
+        latency = fresh(lambda: browser.find_element(By.ID, "latency").text, "the latency table")
         assert "store" in latency and "retrieve" in latency and "9.00" in latency
-        events = browser.find_element(By.ID, "events").text
+        events = fresh(lambda: browser.find_element(By.ID, "events").text, "the events list")
         assert "admit" in events and "vllm-a" in events and "down" in events
 
         # Paste the document into the lookup box: vllm-a holds its longest prefix, vllm-b one chunk.
         box = browser.find_element(By.ID, "lookup-text")
         box.send_keys(DOCUMENT)
         browser.find_element(By.ID, "lookup-button").click()
-        answers = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#lookup-result tr[data-instance]"),
-                           "the lookup answers", timeout_s=60)
-        assert [row.get_attribute("data-instance") for row in answers] == ["vllm-a", "vllm-b"]
-        cells = answers[0].find_elements(By.TAG_NAME, "td")
-        assert int(cells[2].text) == 16 * (len(keys) - 1)
-        assert cells[3].text == f"memory: {len(keys) - 2}, disk: 1"
-        assert browser.find_element(By.ID, "lookup-status").text.startswith(f"{len(tokens)} tokens · 2 holders")
+
+        def answers():
+            rows = browser.find_elements(By.CSS_SELECTOR, "#lookup-result tr[data-instance]")
+            return [(row.get_attribute("data-instance"), [cell.text for cell in row.find_elements(By.TAG_NAME, "td")])
+                    for row in rows]
+
+        found = fresh(answers, "the lookup answers")
+        assert [name for name, _ in found] == ["vllm-a", "vllm-b"]
+        cells = found[0][1]
+        assert int(cells[2]) == 16 * (len(keys) - 1)
+        assert cells[3] == f"memory: {len(keys) - 2}, disk: 1"
+        status = fresh(lambda: browser.find_element(By.ID, "lookup-status").text, "the lookup's status line")
+        assert status.startswith(f"{len(tokens)} tokens · 2 holders")
         time.sleep(2.5)  # one more refresh, so the screenshot shows a settled page
         if os.environ.get("FLOWKV_WRITE_SCREENSHOT"):
             browser.set_window_size(1400, 1150)

@@ -33,7 +33,8 @@ def fleet(tmp_path):
         "chunk_size": CHUNK, "tiers.memory.capacity": 3 * chunk_bytes + 8192,
         "tiers.disk.path": str(tmp_path / "disk")})
     lock = threading.Lock()
-    holder = EngineHolder(engine, lock, ReporterConfig(url=controller.url, heartbeat_s=0.3),
+    holder = EngineHolder(engine, lock, ReporterConfig(url=controller.url, heartbeat_s=0.3,
+                                                     token_file=str(controller.token_file)),
                           instance_id="in-process", model="tiny")
     engine.storage.subscribe(holder.on_tier_event)
     holder.start()

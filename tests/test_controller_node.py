@@ -27,7 +27,6 @@ from flowkv.fleet.node import default_server_name  # noqa: E402
 from flowkv.fleet.reporter import ReporterConfig  # noqa: E402
 from node_servers import ROOT, engine, keys_of, kv_for, node_pipeline, node_servers, slots_for  # noqa: E402, F401
 
-TOKEN = "node-token"
 TOKENS = 128  # 8 chunks of 16
 
 
@@ -57,7 +56,7 @@ def holder(controller: ControllerProcess, e, instance_id: str) -> EngineHolder:
 
 @pytest.fixture
 def controller(tmp_path):
-    process = ControllerProcess(tmp_path / "controller", token=TOKEN, heartbeat_s=0.3, timeout_s=2.0).start()
+    process = ControllerProcess(tmp_path / "controller", heartbeat_s=0.3, timeout_s=2.0).start()
     yield process
     process.close()
 

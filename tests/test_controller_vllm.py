@@ -28,7 +28,6 @@ from vllm_server import MODEL_NAME, VllmServer, free_port
 # One story in steps (the docstring): --shuffle moves the module whole.
 pytestmark = [pytest.mark.vllm, pytest.mark.in_order]
 
-TOKEN = "fleet-token"
 CHUNK = 256
 # How long the controller waits for a heartbeat: generous, two vLLM servers share two cores.
 TIMEOUT_S = 10.0
@@ -57,7 +56,7 @@ def flowkv_instance(folder: Path, controller: ControllerProcess, instance_id: st
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     root = tmp_path_factory.mktemp("fleet")
-    controller = ControllerProcess(root / "controller", token=TOKEN, heartbeat_s=0.5, timeout_s=TIMEOUT_S).start()
+    controller = ControllerProcess(root / "controller", heartbeat_s=0.5, timeout_s=TIMEOUT_S).start()
     events_port = free_port()
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
                  "endpoint": f"tcp://127.0.0.1:{events_port}"}
@@ -207,7 +206,8 @@ def test_a_bad_token_is_refused_and_clear_on_a_removes_it_from_lookups(fleet):
     controller = fleet["controller"]
     token_ids = prompt_ids(fleet, DOCS[0])
     assert "A" in holders(fleet, token_ids)
-    for token in (None, "not-the-token"):
+    # No token, a wrong one, and the tokens of the roles that may not clear (a reader's, an instance's).
+    for token in (None, "not-the-token", controller.tokens["reader"], controller.tokens["instance"]):
         assert status_of(lambda: controller.post("/clear", {"instance_id": "A"}, token=token)) == 401
     assert "A" in holders(fleet, token_ids)
     reply = controller.post("/clear", {"instance_id": "A", "wait_s": 60})
@@ -227,7 +227,7 @@ def test_route_sends_every_repeat_of_a_document_to_the_instance_that_holds_it(fl
     log = open(fleet["root"] / "route.log", "wb")
     route = subprocess.Popen([str(Path(sys.executable).parent / "flowkv"), "route", "--port", str(port),
                               "--backend", a.url, "--backend", b.url, "--controller", controller.url,
-                              "--lookup-timeout-s", "30", "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=log)
+                              "--token-file", str(controller.token_files["reader"]), "--lookup-timeout-s", "30", "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: json.load(urllib.request.urlopen(url + "/health"))["status"] == "ok", "route is up")

@@ -2,7 +2,9 @@
 
 The backends are plain HTTP servers in this process that answer
 ``/v1/completions`` with their own name (a request with ``"hold": true`` is
-answered only when the test lets it go, so it stays in flight); the holders
+answered only when the test lets it go, so it stays in flight; a streamed one
+with ``"trickle": true`` sends its first piece, then the rest only when the
+test lets it go, and logs both to ``events``); the holders
 are real ``Reporter`` objects registered with the backends' URLs. Prompts are
 token ids, so no tokenizer is involved. With real vLLM instances behind it:
 ``test_controller_vllm.py``.
@@ -14,6 +16,8 @@ import json
 import subprocess
 import sys
 import threading
+import socket
+import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -33,6 +37,8 @@ class Backend:
     def __init__(self, name: str) -> None:
         self.name = name
         self.release = threading.Event()
+        self.go_on = threading.Event()
+        self.events: list[str] = []
         self.held = 0
         self.bodies: list[dict] = []
         backend = self
@@ -53,7 +59,11 @@ class Backend:
                     for n in range(3):
                         self.wfile.write(f"data: {json.dumps({'backend': backend.name, 'n': n})}\n\n".encode())
                         self.wfile.flush()
+                        if n == 0 and body.get("trickle"):
+                            backend.events.append("backend sent its first piece")
+                            backend.go_on.wait(120)
                     self.wfile.write(b"data: [DONE]\n\n")
+                    backend.events.append("backend finished")
                     return
                 payload = json.dumps({"backend": backend.name, "object": "text_completion"}).encode()
                 self.send_response(200)
@@ -88,10 +98,11 @@ def fleet(tmp_path):
                                                   token_file=str(controller.token_file)), registration).start()
     routes: list[subprocess.Popen] = []
 
-    def route(*args: str) -> str:
+    def route(*args: str, to: list[str] | None = None) -> str:
+        to = [backends["a"].url, backends["b"].url] if to is None else to
         proc = subprocess.Popen([str(Path(sys.executable).parent / "flowkv"), "route", "--port", "0",
-                                 "--backend", backends["a"].url, "--backend", backends["b"].url,
-                                 "--log-level", "warning", *args],
+                                 *[arg for url in to for arg in ("--backend", url)],
+                                 "--token-file", str(controller.token_files["reader"]), "--log-level", "warning", *args],
                                 stdout=subprocess.PIPE, stderr=open(tmp_path / "route.log", "ab"),
                                 stdin=subprocess.DEVNULL)
         routes.append(proc)
@@ -121,10 +132,26 @@ def get(url: str) -> dict:
 
 def complete(url: str, prompt: list[int], **extra) -> tuple[dict, dict]:
     body = {"model": "m", "prompt": prompt, "max_tokens": 1, **extra}
-    request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+    return send(url + "/v1/completions", json.dumps(body).encode())
+
+
+def send(url: str, raw: bytes) -> tuple[dict, dict]:
+    request = urllib.request.Request(url, raw, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as reply:
         return json.load(reply), dict(reply.headers)
+
+
+def refusal(url: str, raw: bytes) -> tuple[int, dict]:
+    """The status and error body of a request the router is expected to refuse."""
+    try:
+        send(url, raw)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
+    raise AssertionError(f"{url} accepted {raw[:80]!r}")
+
+
+def in_flight(url: str) -> list[int]:
+    return list(get(url + "/stats")["in_flight"].values())
 
 
 def hold(url: str, prompt: list[int]) -> threading.Thread:
@@ -211,3 +238,60 @@ def test_round_robin_alternates_and_a_missing_controller_falls_back_to_load(flee
     replies = [complete(url, DOC) for _ in range(2)]
     assert {headers["x-flowkv-route"] for _, headers in replies} == {"lookup-failed"}
     assert sorted(reply["backend"] for reply, _ in replies) == ["a", "b"]
+
+
+def test_a_body_that_is_not_a_json_object_is_refused_before_a_backend_is_asked(fleet):
+    url = fleet["route"]("--policy", "round-robin", "--max-body-bytes", "4096")
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for raw in (b"[1]", b'"text"', b"7", b"null", b"{not json", b"[" * 4000):
+            status, error = refusal(url + path, raw)
+            assert status == 400 and error["error"]["type"] == "invalid_request", (path, raw[:20], error)
+        status, error = refusal(url + path, json.dumps({"prompt": "x" * 5000}).encode())
+        assert status == 413 and "4096" in error["error"]["message"]
+    assert in_flight(url) == [0, 0]
+    assert fleet["backends"]["a"].bodies == fleet["backends"]["b"].bodies == []
+    reply, headers = complete(url, DOC)  # and the router still serves
+    assert reply["backend"] in ("a", "b") and in_flight(url) == [0, 0]
+
+
+def test_a_backend_that_is_down_or_silent_answers_502_or_504_and_leaves_nothing_in_flight(fleet):
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    url = fleet["route"]("--policy", "round-robin", to=[dead])
+    for raw in (json.dumps({"model": "m", "prompt": DOC}).encode(),
+                json.dumps({"model": "m", "prompt": DOC, "stream": True}).encode()):
+        status, error = refusal(url + "/v1/completions", raw)
+        assert status == 502 and error["error"]["type"] == "backend_error" and dead in error["error"]["message"]
+    assert get(url + "/stats")["in_flight"] == {dead: 0}
+
+    backend = fleet["backends"]["a"]
+    url = fleet["route"]("--policy", "round-robin", "--read-timeout-s", "0.5", to=[backend.url])
+    status, error = refusal(url + "/v1/completions", json.dumps({"model": "m", "prompt": DOC, "hold": True}).encode())
+    assert status == 504 and backend.held == 1
+    assert in_flight(url) == [0]
+    backend.release.set()
+    assert complete(url, DOC)[0]["backend"] == "a" and in_flight(url) == [0]
+
+
+def test_chat_and_streamed_completions_pass_through_a_stream_piece_by_piece(fleet):
+    backend = fleet["backends"]["a"]
+    url = fleet["route"]("--policy", "round-robin", to=[backend.url])
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    reply, headers = send(url + "/v1/chat/completions", json.dumps(body).encode())
+    assert reply["backend"] == "a" and headers["x-flowkv-backend"] == backend.url
+    assert backend.bodies[-1] == body
+
+    body = {"model": "m", "prompt": DOC, "stream": True, "trickle": True}
+    request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        first = reply.readline().decode().strip()
+        # The first piece came through while the backend was still waiting to send the rest.
+        backend.events.append("client read the first piece")
+        backend.go_on.set()
+        rest = [line.decode().strip() for line in reply if line.strip()]
+    assert json.loads(first[len("data: "):]) == {"backend": "a", "n": 0}
+    assert backend.events == ["backend sent its first piece", "client read the first piece", "backend finished"]
+    assert rest[-1] == "data: [DONE]" and [json.loads(line[6:])["n"] for line in rest[:-1]] == [1, 2]
+    wait_for(lambda: in_flight(url) == [0], "the stream's request is done")

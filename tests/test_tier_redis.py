@@ -7,11 +7,13 @@ import uuid
 import pytest
 from redis.asyncio import Redis
 from redis.exceptions import AuthenticationError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from flowkv.registry import resolve_tier
 from flowkv.tiers import GuardedTier, RedisTier, RedisTierConfig
 from redis_servers import (  # noqa: F401 - fixtures are used by name
     RedisServer,
+    TlsFiles,
     make_payload,
     own_redis_server,
     redis_cluster,
@@ -179,6 +181,77 @@ async def test_tls_round_trip(redis_tls_server: RedisServer) -> None:
         await round_trip(tier)
     finally:
         await tier.aclose()
+
+
+async def test_a_server_asking_for_a_client_certificate_gets_one_and_host_names_are_checked(tmp_path) -> None:
+    tls = TlsFiles.create(tmp_path / "pki")
+    server = RedisServer(tmp_path / "mtls", tls=tls, extra_args=("--tls-auth-clients", "yes")).start()
+    try:
+        with_cert = redis_tier(server.url, tls_ca_file=str(tls.ca_cert), tls_cert_file=str(tls.client_cert),
+                               tls_key_file=str(tls.client_key))
+        await round_trip(with_cert)
+        await with_cert.aclose()
+        # No client certificate: the server hangs up; a guarded tier answers a miss.
+        without = GuardedTier(redis_tier(server.url, tls_ca_file=str(tls.ca_cert)), timeout_s=5.0)
+        assert await without.get([chunk_key(1)]) == [None] and without.stats()["failures"] == 1
+        await without.aclose()
+        # The certificate names 127.0.0.1; "localhost" reaches the same server but is not that name.
+        by_name = redis_tier(f"rediss://localhost:{server.port}", tls_ca_file=str(tls.ca_cert),
+                             tls_cert_file=str(tls.client_cert), tls_key_file=str(tls.client_key))
+        with pytest.raises(RedisConnectionError, match="(?i)hostname|match"):
+            await by_name.get([chunk_key(1)])
+        await by_name.aclose()
+    finally:
+        server.stop()
+
+
+async def test_a_value_longer_than_max_value_bytes_is_a_corrupt_miss(redis_server: RedisServer) -> None:
+    payload = make_payload(64 * KIB)
+    roomy = redis_tier(redis_server.url)
+    tight = redis_tier(redis_server.url, namespace=roomy.config.namespace, max_value_bytes=len(payload) - 1)
+    try:
+        await roomy.put([(chunk_key(1), payload)])
+        assert await tight.get([chunk_key(1), chunk_key(2)]) == [None, None]
+        assert tight.stats()["corrupt"] == 1 and tight.stats()["misses"] == 2 and tight.stats()["read_bytes"] == 0
+        assert await roomy.get([chunk_key(1)]) == [payload]  # the honest reader with room still hits
+        # Too long to be read back: not stored, counted, no error (the tier stays healthy).
+        await tight.put([(chunk_key(3), payload), (chunk_key(4), make_payload(KIB))])
+        assert tight.stats()["too_large"] == 1 and tight.stats()["writes"] == 1
+        assert await roomy.exists([chunk_key(3), chunk_key(4)]) == [False, True]
+    finally:
+        await roomy.aclose()
+        await tight.aclose()
+
+
+def test_a_password_is_never_shown(tmp_path, capsys) -> None:
+    from flowkv.cli import main
+    from flowkv.pipeline import PipelineError, builtin_pipelines, load_pipeline
+
+    for url in ("http://flowkv:s3cret@127.0.0.1:6379", "redis://flowkv:s3cret@", "redis://flowkv:s3cret@h:port",
+                "redis://:s3cret@[::1"):
+        with pytest.raises(ValueError) as caught:
+            RedisTierConfig(url=url)
+        assert "s3cret" not in str(caught.value) and "***" in str(caught.value), url
+    with pytest.raises(ValueError) as caught:
+        RedisTierConfig(url="redis://flowkv:s3cret@127.0.0.1:6379", tls_ca_file="/ca.pem")
+    assert "rediss://" in str(caught.value) and "s3cret" not in str(caught.value)
+    config = RedisTierConfig(url="rediss://flowkv:s3cret@cache:6380/0", password="pa55")
+    assert "s3cret" not in repr(config) and "pa55" not in repr(config) and "flowkv:***@cache:6380" in repr(config)
+
+    # In a pipeline file: neither the loader's error nor `flowkv show` prints it.
+    text = builtin_pipelines()["cpu-redis"].read_text()
+    good = tmp_path / "good.toml"
+    url_line = 'url = "redis://127.0.0.1:6379"'
+    assert url_line in text
+    good.write_text(text.replace(url_line, 'url = "redis://flowkv:s3cret@cache:6379"\npassword = "pa55"', 1))
+    assert main(["pipeline", "show", str(good)]) == 0
+    shown = capsys.readouterr().out
+    assert "s3cret" not in shown and "pa55" not in shown and "redis://flowkv:***@cache:6379" in shown
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text.replace(url_line, 'url = "http://flowkv:s3cret@cache"', 1))
+    with pytest.raises(PipelineError) as caught:
+        load_pipeline(str(bad))
+    assert "s3cret" not in str(caught.value) and f"{bad}:" in str(caught.value)
 
 
 def test_config_rejects_bad_values() -> None:

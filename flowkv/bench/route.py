@@ -19,6 +19,7 @@ import concurrent.futures
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -60,15 +61,28 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _get(url: str, timeout: float = 30) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as reply:
+def _get(url: str, timeout: float = 30, token: str | None = None) -> Any:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as reply:
         return json.load(reply)
 
 
-def _post(url: str, body: dict[str, Any], timeout: float = 120) -> Any:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+def _post(url: str, body: dict[str, Any], timeout: float = 120, token: str | None = None) -> Any:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    request = urllib.request.Request(url, json.dumps(body).encode(), headers)
     with urllib.request.urlopen(request, timeout=timeout) as reply:
         return json.load(reply)
+
+
+def _token_files(folder: Path) -> dict[str, tuple[str, Path]]:
+    """A token per controller role, each in a 0600 file of its own: (token, file)."""
+    tokens = {}
+    for role in ("instance", "reader", "operator"):
+        token, path = secrets.token_urlsafe(24), folder / f"{role}.token"
+        path.touch(mode=0o600)
+        path.write_text(token + "\n")
+        tokens[role] = (token, path)
+    return tokens
 
 
 def _wait(condition, what: str, timeout_s: float = 900.0) -> None:
@@ -112,12 +126,13 @@ class _Processes:
                 proc.wait()
 
 
-def _vllm(procs: _Processes, name: str, model: Path, controller: str, memory_bytes: int,
+def _vllm(procs: _Processes, name: str, model: Path, controller: str, token_file: Path, memory_bytes: int,
           kv_cache_bytes: int, max_model_len: int, cores: str) -> str:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     extra = {"pipeline": "local-cpu", "tiers.memory.capacity": memory_bytes,
-             "controller": {"url": controller, "instance_id": name, "advertise_url": url, "heartbeat_s": 1.0}}
+             "controller": {"url": controller, "instance_id": name, "advertise_url": url, "heartbeat_s": 1.0,
+                            "token_file": str(token_file)}}
     config = {"kv_connector": "FlowKVConnector", "kv_connector_module_path": "flowkv.integration.vllm",
               "kv_role": "kv_both", "kv_connector_extra_config": extra}
     command = [str(Path(sys.executable).parent / "vllm"), "serve", str(model), "--served-model-name", MODEL_NAME,
@@ -141,10 +156,11 @@ def _cores(index: int, instances: int) -> str:
     return str(first) if share == 1 else f"{first}-{first + share - 1}"
 
 
-def _route(procs: _Processes, name: str, backends: list[str], controller: str, policy: str) -> str:
+def _route(procs: _Processes, name: str, backends: list[str], controller: str, token_file: Path,
+           policy: str) -> str:
     port = _free_port()
     command = [str(Path(sys.executable).parent / "flowkv"), "route", "--port", str(port), "--policy", policy,
-               "--controller", controller, "--log-level", "warning"]
+               "--controller", controller, "--token-file", str(token_file), "--log-level", "warning"]
     for backend in backends:
         command += ["--backend", backend]
     procs.start(name, command)
@@ -224,24 +240,29 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {}
     try:
         controller_port = _free_port()
+        tokens = _token_files(folder)
         procs.start("controller", [str(Path(sys.executable).parent / "flowkv"), "controller", "--port",
                                    str(controller_port), "--heartbeat-s", "1", "--timeout-s", "30",
+                                   *[arg for role, (_, path) in tokens.items()
+                                     for arg in (f"--{role}-token-file", str(path))],
                                    "--log-level", "warning"])
         controller = f"http://127.0.0.1:{controller_port}"
         _wait(lambda: _get(controller + "/health")["status"] == "ok", "the controller answers")
         print(f"starting two vLLM servers ({args.documents} documents x {args.doc_tokens} tokens, "
               f"memory tier {memory_bytes >> 20} MiB each)...", file=sys.stderr)
-        backends = [_vllm(procs, name, model, controller, memory_bytes, kv_cache_bytes, max_model_len,
+        backends = [_vllm(procs, name, model, controller, tokens["instance"][1], memory_bytes, kv_cache_bytes, max_model_len,
                           _cores(index, 2)) for index, name in enumerate(("vllm-0", "vllm-1"))]
         for name, url in zip(("vllm-0", "vllm-1"), backends):
             _wait(lambda url=url: urllib.request.urlopen(url + "/health", timeout=5).status == 200,
                   f"{name} is ready ({folder / (name + '.log')})")
-        _wait(lambda: sum(i["state"] == "up" for i in _get(controller + "/instances")) == 2,
+        _wait(lambda: sum(i["state"] == "up" for i in _get(controller + "/instances", token=tokens["reader"][0]))
+              == 2,
               "both instances registered")
-        routes = {"round-robin": _route(procs, "route-rr", backends, controller, "round-robin"),
-                  "flowkv route": _route(procs, "route-prefix", backends, controller, "prefix")}
+        reader_file = tokens["reader"][1]
+        routes = {"round-robin": _route(procs, "route-rr", backends, controller, reader_file, "round-robin"),
+                  "flowkv route": _route(procs, "route-prefix", backends, controller, reader_file, "prefix")}
         for mode, url in routes.items():
-            _post(controller + "/clear", {"wait_s": 60})  # both modes start from cold caches
+            _post(controller + "/clear", {"wait_s": 60}, token=tokens["operator"][0])  # both modes start from cold caches
             print(f"{mode}: {len(order)} requests...", file=sys.stderr)
             results[mode] = _workload(url, prompts, order, args.concurrency)
     finally:

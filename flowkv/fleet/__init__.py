@@ -12,6 +12,7 @@
 - :mod:`flowkv.fleet.protocol`: the messages between reporters and the controller.
 - :mod:`flowkv.fleet.directory`: who holds which chunk, rebuilt from events and resyncs.
 - :mod:`flowkv.fleet.controller`: the controller's HTTP API and dashboard (``flowkv controller``).
+- :mod:`flowkv.fleet.access`: who may call what: the controller's roles and tokens, allowed hosts, bounds.
 - :mod:`flowkv.fleet.reporter`: the client side, in each vLLM worker (and node-report).
 - :mod:`flowkv.fleet.holder`: a ``CacheEngine`` as a holder (its events, stats and commands).
 - :mod:`flowkv.fleet.node`: a node server (``flowkv server``) followed into the controller

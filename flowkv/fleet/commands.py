@@ -16,8 +16,26 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                                                    "metrics, dashboard")
     controller.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     controller.add_argument("--port", type=int, default=9100, help="port (0: a free one, printed at start)")
+    controller.add_argument("--instance-token-file", type=Path, default=None,
+                            help="tokens of instances (their reports), one a line; 'TOKEN ID...' fixes the ids "
+                                 "a token may report for")
+    controller.add_argument("--reader-token-file", type=Path, default=None,
+                            help="tokens of readers (lookups, instances, metrics, the dashboard), one a line")
+    controller.add_argument("--operator-token-file", type=Path, default=None,
+                            help="tokens of operators (clear, pin, prefetch, and what a reader may), one a line")
     controller.add_argument("--token-file", type=Path, default=None,
-                            help="file holding the bearer token that reports and commands must carry")
+                            help="one token for every role a role's own file does not set (one user's fleet)")
+    controller.add_argument("--insecure", action="store_true",
+                            help="no tokens at all: anyone who reaches the port may clear caches (loopback only)")
+    controller.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                            help="a host name clients may use in Host/Origin besides the loopback names and "
+                                 "--host (repeat for each)")
+    controller.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                            help="larger lookups and commands are refused (413)")
+    controller.add_argument("--max-report-bytes", type=int, default=256 << 20,
+                            help="larger reports (an instance's snapshot lists all it holds) are refused (413)")
+    controller.add_argument("--tls-cert", default=None, help="serve HTTPS with this certificate (PEM)")
+    controller.add_argument("--tls-key", default=None, help="the certificate's private key (PEM)")
     controller.add_argument("--heartbeat-s", type=float, default=2.0, help="heartbeat interval asked of instances")
     controller.add_argument("--timeout-s", type=float, default=10.0,
                             help="an instance silent this long is marked down")
@@ -51,6 +69,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        help="send a prompt nobody holds yet where the same opening went this long ago")
     route.add_argument("--max-in-flight-gap", type=int, default=8,
                        help="skip a holder with this many more requests in flight than the least loaded backend")
+    route.add_argument("--token-file", type=Path, default=None,
+                       help="file holding a reader token of the controller (for its /lookup)")
+    route.add_argument("--controller-ca-file", default=None,
+                       help="the CA bundle an https:// controller's (and https backends') certificate is "
+                            "checked against (default: the system's)")
+    route.add_argument("--connect-timeout-s", type=float, default=10.0, help="bound on connecting to a backend")
+    route.add_argument("--read-timeout-s", type=float, default=600.0,
+                       help="a backend silent this long (before its first byte or between two) answers 504")
+    route.add_argument("--max-body-bytes", type=int, default=16 << 20,
+                       help="larger request bodies are refused (413) before a backend is asked")
     route.add_argument("--log-level", default="info")
     route.set_defaults(func=run_route)
 
@@ -74,21 +102,43 @@ def _is_loopback(host: str) -> bool:
 
 
 def run_controller(args: argparse.Namespace) -> int:
+    from flowkv.fleet.access import ROLES, Access, allowed_hosts, read_tokens
     from flowkv.fleet.controller import create_app, serve
     from flowkv.fleet.directory import Directory
 
     try:
-        token = read_token(args.token_file)
+        tokens = {}
+        for role in ROLES:
+            path = getattr(args, f"{role}_token_file") or args.token_file
+            if path is not None:
+                tokens[role] = read_tokens(path)
     except (OSError, ValueError) as exc:
         print(f"flowkv controller: {exc}", file=sys.stderr)
         return 2
-    if not _is_loopback(args.host) and token is None:
-        print(f"flowkv controller: warning: binding {args.host} without --token-file lets anyone who reaches "
-              "it clear caches", file=sys.stderr)
+    if tokens and args.insecure:
+        print("flowkv controller: --insecure and token files exclude each other", file=sys.stderr)
+        return 2
+    if not tokens and not args.insecure:
+        print("flowkv controller: give token files (--instance-token-file, --reader-token-file, "
+              "--operator-token-file, or --token-file for all three), or --insecure for a loopback-only "
+              "controller anyone on this machine may use", file=sys.stderr)
+        return 2
+    if args.insecure and not _is_loopback(args.host):
+        print(f"flowkv controller: --insecure binds loopback only, not {args.host}", file=sys.stderr)
+        return 2
+    missing = [role for role in ROLES if role not in tokens]
+    if missing and not args.insecure:
+        print(f"flowkv controller: warning: no token for the {', '.join(missing)} role: nobody can use it",
+              file=sys.stderr)
+    if bool(args.tls_key) and not args.tls_cert:
+        print("flowkv controller: --tls-key needs --tls-cert", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     directory = Directory(heartbeat_s=args.heartbeat_s, timeout_s=args.timeout_s)
-    serve(create_app(directory, token=token), args.host, args.port, name="flowkv controller",
-          log_level=args.log_level)
+    access = Access(tokens=tokens, allowed_hosts=allowed_hosts(args.host, args.allow_host),
+                    max_body_bytes=args.max_body_bytes, max_report_bytes=args.max_report_bytes)
+    serve(create_app(directory, access=access), args.host, args.port, name="flowkv controller",
+          log_level=args.log_level, tls_cert=args.tls_cert, tls_key=args.tls_key)
     return 0
 
 
@@ -118,9 +168,16 @@ def run_route(args: argparse.Namespace) -> int:
     if args.policy == "prefix" and not args.controller:
         print("flowkv route: --policy prefix needs --controller URL", file=sys.stderr)
         return 2
+    try:
+        token = read_token(args.token_file)
+    except (OSError, ValueError) as exc:
+        print(f"flowkv route: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     router = Router(args.backend, controller=args.controller, policy=args.policy, tokenizer=args.tokenizer,
                     max_in_flight_gap=args.max_in_flight_gap, lookup_timeout_s=args.lookup_timeout_s,
-                    affinity_s=args.affinity_s)
+                    affinity_s=args.affinity_s, controller_token=token, connect_timeout_s=args.connect_timeout_s,
+                    read_timeout_s=args.read_timeout_s, max_body_bytes=args.max_body_bytes,
+                    controller_ca_file=args.controller_ca_file)
     serve(create_app(router), args.host, args.port, name="flowkv route", log_level=args.log_level)
     return 0

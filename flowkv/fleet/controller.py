@@ -4,29 +4,33 @@ The controller is never on the inference path: instances report to it in the
 background and a router asks it before sending a request. Its state is soft
 (:class:`flowkv.fleet.directory.Directory`), rebuilt from the instances'
 snapshots and events after a restart. It binds to loopback unless told
-otherwise; with ``--token-file`` every request that changes state (reports
-from instances and commands) needs ``Authorization: Bearer <token>``.
+otherwise, and every request but ``/health`` needs a bearer token of its role
+(:mod:`flowkv.fleet.access`: instance, reader, operator), unless it runs
+``--insecure`` (loopback only).
 
 ::
 
-    flowkv controller --host 127.0.0.1 --port 9100 --token-file /etc/flowkv/token
+    flowkv controller --port 9100 --instance-token-file instances.tokens \
+        --reader-token-file readers.tokens --operator-token-file operators.tokens
 
 The API is described at ``/docs`` (OpenAPI); the dashboard is at ``/``.
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import logging
 import threading
+import time
 from contextlib import asynccontextmanager
 from importlib import resources
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 from pydantic import BaseModel, Field
 
+from flowkv.fleet.access import Access, AccessMiddleware
 from flowkv.fleet.directory import Directory
 from flowkv.fleet.protocol import (
     Ack,
@@ -43,13 +47,18 @@ __all__ = ["create_app", "serve"]
 
 log = logging.getLogger("flowkv.fleet")
 
+#: the longest a command waits for its results: a wait holds no worker thread, but a client should not hang
+MAX_WAIT_S = 60.0
+#: the longest a pin may last (a day); an instance can always be told to clear
+MAX_TTL_S = 86_400.0
+
 
 class ClearRequest(BaseModel):
     instance_id: str | None = Field(None, description="one instance; all when omitted")
     model: str | None = None
     tags: dict[str, str] = {}
     tiers: list[str] = Field([], description="these tiers only; all when empty")
-    wait_s: float = Field(0.0, description="wait this long for the instances to confirm")
+    wait_s: float = Field(0.0, ge=0, le=MAX_WAIT_S, description="wait this long for the instances to confirm")
 
 
 class ChunksCommand(BaseModel):
@@ -60,8 +69,8 @@ class ChunksCommand(BaseModel):
     text: str | None = None
     model: str | None = None
     tags: dict[str, str] = {}
-    ttl_s: float = 300.0
-    wait_s: float = 0.0
+    ttl_s: float = Field(300.0, gt=0, le=MAX_TTL_S)
+    wait_s: float = Field(0.0, ge=0, le=MAX_WAIT_S)
 
 
 class CommandReply(BaseModel):
@@ -70,10 +79,11 @@ class CommandReply(BaseModel):
     results: dict[int, Any] = {}
 
 
-def create_app(directory: Directory | None = None, *, token: str | None = None,
+def create_app(directory: Directory | None = None, *, access: Access | None = None,
                tokenizers: Tokenizers | None = None) -> FastAPI:
-    """The controller's ASGI app; ``directory`` defaults to a new one."""
+    """The controller's ASGI app; ``directory`` defaults to a new one, ``access`` to no tokens (insecure)."""
     directory = directory or Directory()
+    access = access or Access()
     tokenizers = tokenizers or Tokenizers()
     stop = threading.Event()
 
@@ -96,36 +106,37 @@ def create_app(directory: Directory | None = None, *, token: str | None = None,
                   description="Who holds which KV prefix across a fleet of vLLM instances with flowkv.")
     app.state.directory = directory
 
-    def authorized(request: Request) -> None:
-        if token is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-            directory.counters["refused"] += 1
-            raise HTTPException(status_code=401, detail="a valid bearer token is required",
-                                headers={"WWW-Authenticate": "Bearer"})
+    app.add_middleware(AccessMiddleware, access=access, counters=directory.counters)
 
-    guarded = [Depends(authorized)]
+    def own(request: Request, instance_id: str) -> None:
+        """An instance reports for its own id only (the middleware checked its token already)."""
+        refusal = access.claim(request.state.flowkv_token, instance_id)
+        if refusal is not None:
+            directory.counters["refused"] += 1
+            raise HTTPException(status_code=403, detail=refusal)
 
     # -- from instances ---------------------------------------------------------
 
-    @app.post("/v1/register", response_model=Ack, dependencies=guarded, tags=["instances report"])
-    def register(registration: Registration) -> Ack:
+    @app.post("/v1/register", response_model=Ack, tags=["instances report"])
+    def register(registration: Registration, request: Request) -> Ack:
+        own(request, registration.instance_id)
         log.info("flowkv controller: %s rank %d registered (%s, pipeline %s)", registration.instance_id,
                  registration.rank, registration.model, registration.pipeline)
         return directory.register(registration)
 
-    @app.post("/v1/snapshot", response_model=Ack, dependencies=guarded, tags=["instances report"])
-    def snapshot(snapshot: Snapshot) -> Ack:
+    @app.post("/v1/snapshot", response_model=Ack, tags=["instances report"])
+    def snapshot(snapshot: Snapshot, request: Request) -> Ack:
+        own(request, snapshot.instance_id)
         return directory.snapshot(snapshot)
 
-    @app.post("/v1/events", response_model=Ack, dependencies=guarded, tags=["instances report"])
-    def events(batch: EventBatch) -> Ack:
+    @app.post("/v1/events", response_model=Ack, tags=["instances report"])
+    def events(batch: EventBatch, request: Request) -> Ack:
+        own(request, batch.instance_id)
         return directory.events(batch)
 
-    @app.post("/v1/heartbeat", response_model=Ack, dependencies=guarded, tags=["instances report"])
-    def heartbeat(beat: Heartbeat) -> Ack:
+    @app.post("/v1/heartbeat", response_model=Ack, tags=["instances report"])
+    def heartbeat(beat: Heartbeat, request: Request) -> Ack:
+        own(request, beat.instance_id)
         return directory.heartbeat(beat)
 
     # -- queries ----------------------------------------------------------------
@@ -161,13 +172,13 @@ def create_app(directory: Directory | None = None, *, token: str | None = None,
         return directory.instances()
 
     @app.get("/health", tags=["queries"])
-    def health() -> dict[str, Any]:
+    async def health() -> dict[str, Any]:  # on the event loop: it needs no worker thread, so none can starve it
         listed = directory.instances()
         return {"status": "ok", "instances": len(listed),
                 "up": sum(1 for i in listed if i["state"] == "up")}
 
     @app.get("/api/events", tags=["dashboard"])
-    def recent_events(limit: int = 50) -> list[dict[str, Any]]:
+    def recent_events(limit: int = Query(50, ge=0, le=1000)) -> list[dict[str, Any]]:
         return list(directory.recent)[-limit:][::-1]
 
     @app.get("/api/history", tags=["dashboard"])
@@ -185,17 +196,25 @@ def create_app(directory: Directory | None = None, *, token: str | None = None,
 
     # -- commands ---------------------------------------------------------------
 
-    @app.post("/clear", response_model=CommandReply, dependencies=guarded, tags=["commands"])
-    def clear(body: ClearRequest) -> CommandReply:
+    async def results_of(ids: list[int], wait_s: float) -> dict[int, Any]:
+        # Polled on the event loop: a waiting command holds no worker thread (the pool serves lookups).
+        deadline = time.monotonic() + wait_s
+        while True:
+            done = directory.wait_results(ids, 0.0)
+            if len(done) == len(ids) or time.monotonic() >= deadline:
+                return done
+            await asyncio.sleep(0.05)
+
+    @app.post("/clear", response_model=CommandReply, tags=["commands"])
+    async def clear(body: ClearRequest) -> CommandReply:
         """Drop chunks on one instance or all (optionally of a model, a tag set, some tiers)."""
         if body.instance_id is not None and not directory.known_instance(body.instance_id):
             raise HTTPException(status_code=404, detail=f"no instance {body.instance_id!r}")
         names, ids = directory.clear(body.instance_id, model=body.model, tags=body.tags, tiers=body.tiers)
-        results = directory.wait_results(ids, body.wait_s) if body.wait_s > 0 else {}
-        return CommandReply(instances=names, commands=ids, results=results)
+        return CommandReply(instances=names, commands=ids, results=await results_of(ids, body.wait_s))
 
-    def chunk_command(op: str, body: ChunksCommand) -> CommandReply:
-        tokens = token_ids_of(body)
+    async def chunk_command(op: str, body: ChunksCommand) -> CommandReply:
+        tokens = await asyncio.to_thread(token_ids_of, body)
         if body.instance_id is not None:
             if not directory.known_instance(body.instance_id):
                 raise HTTPException(status_code=404, detail=f"no instance {body.instance_id!r}")
@@ -204,18 +223,17 @@ def create_app(directory: Directory | None = None, *, token: str | None = None,
             names = [h.instance_id for h in directory.lookup(tokens, model=body.model, tags=body.tags).holders]
         holders = [h for name in names for h in directory.holders_of(name)]
         ids = directory.command(holders, op, token_ids=tokens, tags=body.tags, ttl_s=body.ttl_s)
-        results = directory.wait_results(ids, body.wait_s) if body.wait_s > 0 else {}
-        return CommandReply(instances=names, commands=ids, results=results)
+        return CommandReply(instances=names, commands=ids, results=await results_of(ids, body.wait_s))
 
-    @app.post("/pin", response_model=CommandReply, dependencies=guarded, tags=["commands"])
-    def pin(body: ChunksCommand) -> CommandReply:
+    @app.post("/pin", response_model=CommandReply, tags=["commands"])
+    async def pin(body: ChunksCommand) -> CommandReply:
         """Keep these tokens' chunks in memory for ``ttl_s`` (no eviction) on the instances that hold them."""
-        return chunk_command("pin", body)
+        return await chunk_command("pin", body)
 
-    @app.post("/prefetch", response_model=CommandReply, dependencies=guarded, tags=["commands"])
-    def prefetch(body: ChunksCommand) -> CommandReply:
+    @app.post("/prefetch", response_model=CommandReply, tags=["commands"])
+    async def prefetch(body: ChunksCommand) -> CommandReply:
         """Bring these tokens' chunks from an instance's lower tiers into its memory."""
-        return chunk_command("prefetch", body)
+        return await chunk_command("prefetch", body)
 
     # -- the dashboard ----------------------------------------------------------
 
@@ -271,8 +289,12 @@ def _label(value: str) -> str:
     return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def serve(app: FastAPI, host: str, port: int, *, name: str, log_level: str = "info") -> None:
-    """Run ``app`` on ``host:port`` (port 0: a free one), printing the address it listens on first."""
+def serve(app: FastAPI, host: str, port: int, *, name: str, log_level: str = "info",
+          tls_cert: str | None = None, tls_key: str | None = None) -> None:
+    """Run ``app`` on ``host:port`` (port 0: a free one), printing the address it listens on first.
+
+    With ``tls_cert`` (and ``tls_key``, unless the certificate file holds the key too) it speaks HTTPS only.
+    """
     import socket
 
     import uvicorn
@@ -282,6 +304,8 @@ def serve(app: FastAPI, host: str, port: int, *, name: str, log_level: str = "in
     sock.bind((host, port))
     bound_host, bound_port = sock.getsockname()[:2]
     # Tests and scripts read this line to learn a port chosen with --port 0.
-    print(f"{name} listening on http://{bound_host}:{bound_port}", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower(), access_log=False))
+    scheme = "https" if tls_cert else "http"
+    print(f"{name} listening on {scheme}://{bound_host}:{bound_port}", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower(), access_log=False,
+                                           ssl_certfile=tls_cert, ssl_keyfile=tls_key))
     server.run(sockets=[sock])

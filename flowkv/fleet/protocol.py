@@ -52,13 +52,23 @@ class TierInfo(BaseModel):
     capacity_bytes: int | None = None
 
 
+#: bounds on what a holder may declare (a controller refuses the rest with 422)
+MAX_NAME = 512
+MAX_RANK = 1 << 16
+MAX_CHUNK_SIZE = 1 << 20
+
+_InstanceId = Field(min_length=1, max_length=MAX_NAME)
+_Rank = Field(0, ge=0, lt=MAX_RANK)
+_Session = Field(min_length=1, max_length=MAX_NAME)
+
+
 class Registration(BaseModel):
     """Who a holder is, and how to compute the keys it reports."""
 
-    instance_id: str
-    rank: int = 0
-    world_size: int = 1
-    session: str
+    instance_id: str = _InstanceId
+    rank: int = _Rank
+    world_size: int = Field(1, ge=1, le=MAX_RANK)
+    session: str = _Session
     kind: Literal["vllm", "server", "engine"] = "vllm"
     url: str | None = Field(None, description="where the instance serves requests (an OpenAI-compatible URL)")
     model: str = Field(description="the model name clients ask for (vLLM's served model name)")
@@ -66,7 +76,7 @@ class Registration(BaseModel):
     tokenizer: str | None = Field(None, description="a tokenizer name or path, for lookups by text")
     pipeline: str = ""
     tiers: list[TierInfo] = []
-    chunk_size: int
+    chunk_size: int = Field(gt=0, le=MAX_CHUNK_SIZE)  # 0 would make every lookup divide by zero
     hash: str
     shared: list[str] = Field([], description="instance ids of node servers whose tiers this instance reads")
 
@@ -80,9 +90,9 @@ class Event(BaseModel):
 
 
 class EventBatch(BaseModel):
-    instance_id: str
-    rank: int = 0
-    session: str
+    instance_id: str = _InstanceId
+    rank: int = _Rank
+    session: str = _Session
     seq_from: int = Field(description="the sequence number of events[0]; numbers run on without gaps")
     events: list[Event]
 
@@ -90,9 +100,9 @@ class EventBatch(BaseModel):
 class Snapshot(BaseModel):
     """Everything a holder holds, as of after event ``seq`` (it replaces what the controller knew)."""
 
-    instance_id: str
-    rank: int = 0
-    session: str
+    instance_id: str = _InstanceId
+    rank: int = _Rank
+    session: str = _Session
     seq: int
     tiers: dict[str, list[str]]
 
@@ -115,9 +125,9 @@ class CommandResult(BaseModel):
 
 
 class Heartbeat(BaseModel):
-    instance_id: str
-    rank: int = 0
-    session: str
+    instance_id: str = _InstanceId
+    rank: int = _Rank
+    session: str = _Session
     seq: int = Field(description="the last event sequence number the holder sent")
     stats: dict[str, Any] = {}
     done: list[CommandResult] = []

@@ -27,6 +27,7 @@ import http.client
 import json
 import logging
 import os
+import ssl
 import threading
 import time
 import urllib.parse
@@ -54,6 +55,8 @@ class ReporterConfig:
     url: str
     heartbeat_s: float = 2.0
     token_file: str | None = None
+    # for an https:// controller: the CA bundle its certificate is checked against (default: the system's)
+    ca_file: str | None = None
     # events waiting to be sent; past this they are dropped (and a snapshot follows)
     max_queue: int = 100_000
     # events per message
@@ -90,9 +93,10 @@ class Reporter:
         self._run_command = run_command
         self._stats = stats
         parsed = urllib.parse.urlsplit(config.url)
-        if parsed.scheme not in ("http", "") or not parsed.hostname:
-            raise ValueError(f"controller url must be http://HOST:PORT, got {config.url!r}")
-        self._host, self._port = parsed.hostname, parsed.port or 80
+        if parsed.scheme not in ("http", "https", "") or not parsed.hostname:
+            raise ValueError(f"controller url must be http(s)://HOST:PORT, got {config.url!r}")
+        self._tls = parsed.scheme == "https"
+        self._host, self._port = parsed.hostname, parsed.port or (443 if self._tls else 80)
         self._base = parsed.path.rstrip("/")
         self._token = config.token()
         self._lock = threading.Condition()
@@ -317,7 +321,13 @@ class Reporter:
     # -- HTTP -----------------------------------------------------------------------
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        if self._conn is None:
+        if self._conn is None and self._tls:
+            # Certificate and host name checked, as ssl's defaults do.
+            context = ssl.create_default_context(cafile=os.path.expanduser(self.config.ca_file)
+                                                 if self.config.ca_file else None)
+            self._conn = http.client.HTTPSConnection(self._host, self._port, timeout=self.config.timeout_s,
+                                                     context=context)
+        elif self._conn is None:
             self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self.config.timeout_s)
         headers = {"Content-Type": "application/json"}
         if self._token:

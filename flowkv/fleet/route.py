@@ -20,6 +20,12 @@ controller's ``/lookup`` which instances hold a prefix, and picks:
 ``policy="round-robin"`` skips all that (the comparison mode). Responses,
 streamed or not, are passed through unchanged, with an ``x-flowkv-backend``
 header naming the backend that served them.
+
+A request body must be a JSON object of at most ``max_body_bytes`` (400 and
+413 otherwise, before any backend is asked); a backend that cannot be reached
+answers 502, one silent past ``read_timeout_s`` 504. Whatever happens to a
+request, its upstream response is closed and its backend's in-flight count
+goes down again: a leaked count would skew every later choice.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import collections
 import itertools
 import json
 import logging
+import ssl
 import time
 from contextlib import asynccontextmanager
 from typing import Any
@@ -36,6 +43,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from flowkv.fleet.tokens import Tokenizers
 
@@ -53,7 +61,9 @@ class Router:
 
     def __init__(self, backends: list[str], *, controller: str | None = None, policy: str = "prefix",
                  tokenizer: str | None = None, max_in_flight_gap: int = 8, lookup_timeout_s: float = 2.0,
-                 affinity_tokens: int = 256, affinity_s: float = 60.0) -> None:
+                 affinity_tokens: int = 256, affinity_s: float = 60.0, controller_token: str | None = None,
+                 connect_timeout_s: float = 10.0, read_timeout_s: float = 600.0,
+                 max_body_bytes: int = 16 << 20, controller_ca_file: str | None = None) -> None:
         if not backends:
             raise ValueError("flowkv route needs at least one backend")
         if policy not in ("prefix", "round-robin"):
@@ -64,6 +74,13 @@ class Router:
         self.tokenizer = tokenizer
         self.max_in_flight_gap = max_in_flight_gap
         self.lookup_timeout_s = lookup_timeout_s
+        # the controller's reader token (its /lookup needs one unless it runs --insecure)
+        self.controller_token = controller_token
+        self.connect_timeout_s = connect_timeout_s
+        # the longest a backend may stay silent: before its first byte (a long prefill) or between two
+        self.read_timeout_s = read_timeout_s
+        self.max_body_bytes = max_body_bytes
+        self.controller_ca_file = controller_ca_file
         self.in_flight = {url: 0 for url in self.backends}
         self.affinity_tokens = affinity_tokens
         self.affinity_s = affinity_s
@@ -76,7 +93,13 @@ class Router:
         self.client: httpx.AsyncClient | None = None
 
     async def open(self) -> None:
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
+        # pool: waiting for a free connection is bounded like connecting, so a stuck pool fails a request, not
+        # every request
+        timeout = httpx.Timeout(connect=self.connect_timeout_s, read=self.read_timeout_s, write=self.read_timeout_s,
+                                pool=self.connect_timeout_s)
+        # Backends and an https:// controller alike: certificates checked (against this CA bundle when given).
+        verify = ssl.create_default_context(cafile=self.controller_ca_file) if self.controller_ca_file else True
+        self.client = httpx.AsyncClient(timeout=timeout, verify=verify,
                                         limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
 
     async def close(self) -> None:
@@ -162,53 +185,106 @@ class Router:
 
     async def _lookup(self, token_ids: list[int], model: str | None) -> list[dict[str, Any]]:
         assert self.client is not None and self.controller is not None
+        headers = {"Authorization": f"Bearer {self.controller_token}"} if self.controller_token else {}
         reply = await self.client.post(f"{self.controller}/lookup", json={"token_ids": token_ids},
-                                       timeout=self.lookup_timeout_s)
+                                       headers=headers, timeout=self.lookup_timeout_s)
         reply.raise_for_status()
         return reply.json()["holders"]
 
     # -- proxying -------------------------------------------------------------------
 
+    async def _body(self, request: Request) -> bytes | None:
+        """The request's body, or None past ``max_body_bytes`` (read no further than that)."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            return None
+        raw = bytearray()
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > self.max_body_bytes:
+                return None
+        return bytes(raw)
+
     async def forward(self, request: Request, path: str, chat: bool) -> Response:
-        raw = await request.body()
+        raw = await self._body(request)
+        if raw is None:
+            return _error(413, f"the body is larger than {self.max_body_bytes} bytes", "invalid_request")
         try:
             body = json.loads(raw)
-        except ValueError:
-            return JSONResponse({"error": {"message": "the body is not JSON", "type": "invalid_request"}}, 400)
+        except (ValueError, RecursionError):
+            return _error(400, "the body is not JSON", "invalid_request")
+        if not isinstance(body, dict):
+            return _error(400, f"the body must be a JSON object, not {type(body).__name__}", "invalid_request")
         if self.tokenizer is None and self._backend_model_root is None:
             await self.learn_tokenizer()
         backend, why, matched = await self.choose(body, chat)
         self.decisions[why] += 1
         self.served[backend] += 1
-        self.in_flight[backend] += 1
         headers = {"x-flowkv-backend": backend, "x-flowkv-route": why, "x-flowkv-matched-tokens": str(matched)}
         forwarded = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
         assert self.client is not None
+        self.in_flight[backend] += 1
+        upstream: httpx.Response | None = None
+        released = handed_over = False
+
+        async def release() -> None:
+            # Once per request, from whichever path ends it first.
+            nonlocal released
+            if released:
+                return
+            released = True
+            self.in_flight[backend] -= 1
+            if upstream is not None:
+                await upstream.aclose()
+
         try:
             upstream = await self.client.send(
                 self.client.build_request("POST", f"{backend}{path}", content=raw, headers=forwarded), stream=True)
+            headers["content-type"] = upstream.headers.get("content-type", "application/json")
+            if body.get("stream"):
+                relayed = _Relayed(upstream, release, headers)
+                handed_over = True  # the relay releases it when its stream ends
+                return relayed
+            content = await upstream.aread()
+            return Response(content, status_code=upstream.status_code, headers=headers)
+        except httpx.TimeoutException as exc:
+            return _error(504, f"backend {backend}: no answer in time ({type(exc).__name__})", "backend_error",
+                          headers)
         except httpx.HTTPError as exc:
-            self.in_flight[backend] -= 1
-            return JSONResponse({"error": {"message": f"backend {backend}: {exc}", "type": "backend_error"}}, 502,
-                                headers=headers)
-        headers["content-type"] = upstream.headers.get("content-type", "application/json")
+            return _error(502, f"backend {backend}: {exc}", "backend_error", headers)
+        finally:
+            if not handed_over:
+                await release()
 
-        async def relay():
+
+def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind}}, status, headers=headers)
+
+
+class _Relayed(StreamingResponse):
+    """A streamed upstream response passed on piece by piece; ``release`` runs however the stream ends."""
+
+    def __init__(self, upstream: httpx.Response, release: Any, headers: dict[str, str]) -> None:
+        self._release = release
+
+        async def pieces():
             try:
                 async for piece in upstream.aiter_raw():
                     yield piece
+            except httpx.HTTPError as exc:  # the backend went silent or away mid-stream: end the stream
+                log.warning("flowkv route: stream from %s ended early (%s)", headers["x-flowkv-backend"],
+                            type(exc).__name__)
             finally:
-                await upstream.aclose()
-                self.in_flight[backend] -= 1
+                await release()
 
-        if body.get("stream"):
-            return StreamingResponse(relay(), status_code=upstream.status_code, headers=headers)
+        super().__init__(pieces(), status_code=upstream.status_code, headers=headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # A client that leaves before the first piece never starts the generator, so its finally never runs.
         try:
-            content = await upstream.aread()
+            await super().__call__(scope, receive, send)
         finally:
-            await upstream.aclose()
-            self.in_flight[backend] -= 1
-        return Response(content, status_code=upstream.status_code, headers=headers)
+            await self._release()
 
 
 def create_app(router: Router) -> FastAPI:

@@ -30,8 +30,35 @@ function fillBar(tier) {
             el("div", {class: "muted"}, `${tier.name} (${tier.kind}) · ${tier.chunks} chunks`), bar);
 }
 
+// The controller wants a reader token with every call: asked for once, kept for this tab only (sessionStorage
+// dies with the tab; localStorage would leave it on disk for every later visitor of the page).
+const TOKEN_KEY = "flowkv-controller-token";
+
+function askForToken(why) {
+  document.getElementById("token-why").textContent = why;
+  document.getElementById("token-form").hidden = false;
+  document.getElementById("token-input").focus();
+}
+
+document.getElementById("token-form").addEventListener("submit", event => {
+  event.preventDefault();
+  const input = document.getElementById("token-input");
+  sessionStorage.setItem(TOKEN_KEY, input.value.trim());
+  input.value = "";
+  document.getElementById("token-form").hidden = true;
+  refresh();
+});
+
 async function getJSON(path, options) {
-  const response = await fetch(path, options);
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  const headers = Object.assign({}, (options && options.headers) || {});
+  if (token) headers["Authorization"] = `Bearer ${token}`;
+  const response = await fetch(path, Object.assign({}, options, {headers}));
+  if (response.status === 401) {
+    sessionStorage.removeItem(TOKEN_KEY);
+    askForToken(token ? "The controller refused that token: give a reader token." :
+                        "The controller needs a reader token.");
+  }
   if (!response.ok) throw new Error(`${path}: ${response.status} ${await response.text()}`);
   return response.json();
 }

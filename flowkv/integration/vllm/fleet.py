@@ -81,7 +81,7 @@ class FleetLink:
             self.holder = EngineHolder(
                 engine, engine_lock,
                 ReporterConfig(url=spec.url, heartbeat_s=spec.heartbeat_s, token_file=spec.token_file,
-                               max_queue=spec.max_queue),
+                               ca_file=spec.ca_file, max_queue=spec.max_queue),
                 instance_id=spec.instance_id or default_instance_id(spec.advertise_url, instance.instance_id),
                 rank=rank, world_size=instance.world_size, kind="vllm", url=spec.advertise_url,
                 model=str(model or settings.model_name), key_model=settings.model_name,
