@@ -1,0 +1,199 @@
+"""Tenants sharing one cache: who a tenant is, quotas, and the per-tenant numbers.
+
+Tenant A floods a cache with new documents while tenant B's few documents
+stay within B's quota: B reads all of them back (exact hit counts), A's
+evictions are counted, and A never holds more than its quota. The same
+flood without quotas evicts B (the contrast). On the memory tier in this
+process, and through a real ``flowkv server`` with quotas in its own
+pipeline file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flowkv import KVTransfer
+from flowkv._testing.paged import make_paged_kv, random_slot_mapping
+from flowkv.bench.tenants import (CHUNK_TOKENS, DOC_CHUNKS, flood, flood_geometry, memory_engine, memory_tenants,
+                                  node_engine, server_pipeline)
+from flowkv.tenants import tenant_of
+from flowkv.tiers.node_protocol import NodeConnection
+
+from node_servers import node_servers  # noqa: F401  (fixture)
+
+MIB = 2**20
+A_DOCS, B_DOCS = 40, 4
+CAPACITY = 4 * MIB
+QUOTA = 2 * MIB
+
+
+def chunk_bytes() -> int:
+    return math.prod(flood_geometry().chunk_shape(CHUNK_TOKENS)) * flood_geometry().dtype.itemsize
+
+
+def check_quota_flood(result: dict) -> None:
+    """B untouched, A held at its quota by evicting only its own entries: exact counts."""
+    a, b = result["tenants"]["A"], result["tenants"]["B"]
+    assert result["b_hit_chunks"] == B_DOCS * DOC_CHUNKS
+    # Every read of B's came after the flood: its hits are exactly its chunks, none missed.
+    assert b["hits"] - result["before_reads"]["B"]["hits"] == B_DOCS * DOC_CHUNKS
+    assert b["misses"] == 0 and b["evictions"] == 0
+    assert b["entries"] == B_DOCS * DOC_CHUNKS
+    a_fits = QUOTA // chunk_bytes()
+    assert a["entries"] == a_fits
+    assert a["evictions"] == A_DOCS * DOC_CHUNKS - a_fits
+    assert result["a_most_bytes"] <= QUOTA == a["quota"]
+
+
+def check_plain_flood(result: dict) -> None:
+    """One LRU for both: the flood took every chunk of B's."""
+    b = result["tenants"]["B"]
+    assert result["b_hit_chunks"] == 0
+    assert b["evictions"] == B_DOCS * DOC_CHUNKS and b["entries"] == 0
+    assert result["tenants"]["A"]["bytes"] == CAPACITY
+
+
+def test_tenant_is_the_tag_then_the_cache_salt_then_default():
+    assert tenant_of({"tenant": "acme", "cache_salt": "s"}) == "acme"
+    assert tenant_of({"cache_salt": "s", "lora": "x"}) == "s"
+    assert tenant_of({"lora": "x"}) == tenant_of(None) == "default"
+
+
+def test_memory_tier_flood_within_quotas_leaves_b_alone():
+    engine = memory_engine("4MiB", {"A": "2MiB", "B": "2MiB"})
+    try:
+        check_quota_flood(flood(engine, memory_tenants(engine), a_docs=A_DOCS, b_docs=B_DOCS))
+    finally:
+        engine.close()
+
+
+def test_memory_tier_flood_without_quotas_evicts_b():
+    engine = memory_engine("4MiB", None)
+    try:
+        check_plain_flood(flood(engine, memory_tenants(engine), a_docs=A_DOCS, b_docs=B_DOCS))
+    finally:
+        engine.close()
+
+
+def test_cache_salt_names_the_tenant_when_no_tag_does():
+    engine = memory_engine("4MiB", {"A": "2MiB", "B": "2MiB"})
+    try:
+        check_quota_flood(flood(engine, memory_tenants(engine), a_docs=A_DOCS, b_docs=B_DOCS,
+                                tenant_key="cache_salt"))
+    finally:
+        engine.close()
+
+
+def test_unnamed_tenants_take_the_default_quota_and_fold_past_the_label_limit():
+    engine = memory_engine("4MiB", {"default": "128KiB"})
+    geometry = flood_geometry()
+    kv = make_paged_kv(geometry, 64, seed=1)
+    slots = random_slot_mapping(CHUNK_TOKENS * DOC_CHUNKS, geometry, 64, seed=2)
+    try:
+        for index in range(20):  # 20 tenants, one document each: the label limit is 16
+            ids = torch.randint(0, 32000, (CHUNK_TOKENS * DOC_CHUNKS,), generator=torch.Generator().manual_seed(index))
+            engine.store(ids, kv_caches=kv, slot_mapping=slots, tags={"tenant": f"t{index}"})
+        tenants = engine.storage.stats()["memory"]["tenants"]
+        assert sorted(tenants) == sorted(["default", *(f"t{i}" for i in range(16))])
+        # 128 KiB is 2 chunks: a document of 4 keeps its first 2 (the store stops at the quota, as at
+        # a full memory: backpressure), and nobody's entry was evicted for it.
+        for label, numbers in tenants.items():
+            folded = 4 if label == "default" else 1
+            assert (numbers["entries"], numbers["quota_refusals"], numbers["evictions"]) == (
+                2 * folded, folded, 0), label
+        assert tenants["t3"]["quota"] == tenants["default"]["quota"] == 128 * 1024
+    finally:
+        engine.close()
+
+
+def test_a_tenant_at_quota_with_nothing_evictable_stops_at_once_and_others_still_store():
+    """Fair under pressure: A's pinned entries stop A's store (backpressure), never B's."""
+    engine = memory_engine("4MiB", {"A": "1MiB", "B": "1MiB"})
+    geometry = flood_geometry()
+    kv = make_paged_kv(geometry, 64, seed=1)
+    tokens = CHUNK_TOKENS * DOC_CHUNKS
+    slots = random_slot_mapping(tokens, geometry, 64, seed=2)
+
+    def doc(seed: int) -> torch.Tensor:
+        return torch.randint(0, 32000, (tokens,), generator=torch.Generator().manual_seed(seed))
+
+    try:
+        for seed in range(4):  # 16 chunks of 64 KiB: A is at its quota
+            assert engine.store(doc(seed), kv_caches=kv, slot_mapping=slots, tags={"tenant": "A"}) == tokens
+            # Pin each document as a lookup would: nothing of A's can be evicted any more.
+            assert engine.lookup(doc(seed), pin=True, tags={"tenant": "A"}, lookup_id=f"hold-{seed}") == tokens
+        assert engine.store(doc(99), kv_caches=kv, slot_mapping=slots, tags={"tenant": "A"}) == 0
+        assert engine.store(doc(100), kv_caches=kv, slot_mapping=slots, tags={"tenant": "B"}) == tokens
+        tenants = engine.storage.stats()["memory"]["tenants"]
+        assert tenants["A"]["quota_refusals"] == 1 and tenants["A"]["entries"] == 4 * DOC_CHUNKS
+        assert tenants["B"]["entries"] == DOC_CHUNKS
+    finally:
+        engine.close()
+
+
+def test_a_promoted_chunk_is_the_readers():
+    """A chunk read back into memory from a lower tier lands as the reading tenant's entry."""
+    engine = memory_engine("4MiB", {"B": "1MiB"})
+    geometry = flood_geometry()
+    kv = make_paged_kv(geometry, 64, seed=1)
+    slots = random_slot_mapping(CHUNK_TOKENS, geometry, 64, seed=2)
+    ids = torch.arange(CHUNK_TOKENS)
+    try:
+        engine.store(ids, kv_caches=kv, slot_mapping=slots, tags={"tenant": "B"})
+        mask = engine.retrieve(KVTransfer(tokens=ids, kv_caches=make_paged_kv(geometry, 64, seed=3),
+                                          slot_mapping=slots, tags={"tenant": "B"})).ret_mask
+        assert int(mask.sum()) == CHUNK_TOKENS
+        tier = engine.storage.tier("memory")
+        assert [tier.tenant_of(key) for key in tier.keys()] == ["B"]
+    finally:
+        engine.close()
+
+
+# -- through a node server -------------------------------------------------------------
+
+
+def server_flood(node_servers, quotas):  # noqa: F811
+    folder = node_servers.folder
+    server = node_servers("flood" if quotas else "plain", memory="4MiB",
+                          pipeline=server_pipeline(folder, quotas) if quotas else None)
+    engine = node_engine(server.socket)
+    conn = NodeConnection.connect(server.socket, timeout_s=10.0)
+    try:
+        return server, flood(engine, lambda: conn.call("stats")["memory"]["tenants"], a_docs=A_DOCS, b_docs=B_DOCS)
+    finally:
+        conn.close()
+        engine.close()
+
+
+def test_node_server_flood_within_quotas_leaves_b_alone(node_servers):  # noqa: F811
+    server, result = server_flood(node_servers, {"A": "2MiB", "B": "2MiB"})
+    check_quota_flood(result)
+    # flowkv server status shows each tenant, as text and as JSON.
+    cli = [sys.executable, "-m", "flowkv.cli", "server", "status", "--socket", str(server.socket)]
+    text = subprocess.run(cli, capture_output=True, text=True, check=True).stdout
+    assert f"tenant B: {B_DOCS * DOC_CHUNKS} entries" in text and "of 2.0 MiB quota" in text
+    shown = json.loads(subprocess.run([*cli, "--json"], capture_output=True, text=True, check=True).stdout)
+    assert shown["memory"]["tenants"]["A"]["evictions"] == result["tenants"]["A"]["evictions"]
+
+
+def test_node_server_flood_without_quotas_evicts_b(node_servers):  # noqa: F811
+    _, result = server_flood(node_servers, None)
+    check_plain_flood(result)
+
+
+def test_a_server_tenant_from_the_wire_is_cleaned_not_refused(node_servers):  # noqa: F811
+    server = node_servers("wire", memory="4MiB")
+    conn = server.connect()
+    try:
+        conn.hello("t")
+        reply = conn.call("alloc", sizes=[4096], tenant={"not": "a name"})
+        assert len(reply["objs"]) == 1
+        assert "default" in conn.call("stats")["memory"]["tenants"]
+    finally:
+        conn.close()
