@@ -14,9 +14,14 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
-import pytest
+import anyio
 import torch
+
+from flowkv import payload as payloads
+from flowkv.pipeline import load_pipeline
+from flowkv.tiers.disk import DiskTier
 
 from flowkv import KVTransfer
 from flowkv._testing.paged import make_paged_kv, random_slot_mapping
@@ -197,3 +202,91 @@ def test_a_server_tenant_from_the_wire_is_cleaned_not_refused(node_servers):  # 
         assert "default" in conn.call("stats")["memory"]["tenants"]
     finally:
         conn.close()
+
+
+# -- the disk tier ---------------------------------------------------------------------
+
+DISK_ENTRY = torch.zeros(1024, dtype=torch.uint8)  # each file holds one payload of this
+
+
+def disk_pipeline(folder, quotas: str | None) -> Path:
+    """A pipeline file whose disk tier has ``quotas`` (a TOML inline table, or none)."""
+    size = len(payloads.encode(DISK_ENTRY, "none"))
+    text = (f'[tiers.memory]\nkind = "memory"\ncapacity = "1MiB"\n\n[tiers.disk]\nkind = "disk"\n'
+            f'path = "{folder / "disk"}"\ncapacity = {64 * size}\n')
+    if quotas is not None:
+        text += f"quotas = {quotas}\n"
+    path = folder / "disk.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def disk_tier(pipeline: Path) -> DiskTier:
+    spec = load_pipeline(pipeline).tiers["disk"]
+    return DiskTier(name="disk", config=spec.config)
+
+
+def disk_flood(tier: DiskTier, *, a_entries: int = 100, b_entries: int = 8) -> dict:
+    blob = payloads.encode(DISK_ENTRY, "none")
+
+    async def flood_and_read() -> int:
+        await tier.put([(f"b/{i}", blob, "B") for i in range(b_entries)])
+        for i in range(a_entries):
+            await tier.put([(f"a/{i}", blob, "A")])
+        return sum(found is not None for found in await tier.get([f"b/{i}" for i in range(b_entries)]))
+
+    b_hits = anyio.run(flood_and_read)
+    return {"b_hits": b_hits, "tenants": tier.stats()["tenants"], "size": len(blob)}
+
+
+def test_disk_tier_flood_within_quotas_leaves_b_alone(tmp_path):
+    size = len(payloads.encode(DISK_ENTRY, "none"))
+    tier = disk_tier(disk_pipeline(tmp_path, f'{{ A = {32 * size}, B = {32 * size} }}'))
+    result = disk_flood(tier)
+    a, b = result["tenants"]["A"], result["tenants"]["B"]
+    assert result["b_hits"] == b["hits"] == 8 and b["evictions"] == 0 and b["entries"] == 8
+    assert a["entries"] == 32 and a["evictions"] == 100 - 32 and a["bytes"] <= a["quota"] == 32 * size
+
+
+def test_disk_tier_flood_without_quotas_evicts_b(tmp_path):
+    result = disk_flood(disk_tier(disk_pipeline(tmp_path, None)))
+    b = result["tenants"]["B"]
+    assert result["b_hits"] == b["hits"] == 0 and b["evictions"] == 8 and b["entries"] == 0
+
+
+def test_disk_tier_keeps_each_entrys_tenant_across_a_restart_and_a_new_quota_applies_at_start(tmp_path):
+    size = len(payloads.encode(DISK_ENTRY, "none"))
+    pipeline = disk_pipeline(tmp_path, f'{{ A = {32 * size}, B = {32 * size} }}')
+    disk_flood(disk_tier(pipeline))
+    restarted = disk_tier(pipeline)  # a new process would read the same folder the same way
+    tenants = restarted.stats()["tenants"]
+    assert (tenants["A"]["entries"], tenants["B"]["entries"]) == (32, 8)
+    # A's quota lowered in the pipeline file: the next start sheds A's oldest, and only A's.
+    pipeline = disk_pipeline(tmp_path, f'{{ A = {16 * size}, B = {32 * size} }}')
+    lowered = disk_tier(pipeline).stats()["tenants"]
+    assert (lowered["A"]["entries"], lowered["A"]["evictions"], lowered["B"]["entries"]) == (16, 16, 8)
+    files = sorted(p.name for p in (tmp_path / "disk").rglob("*.kv"))
+    assert len(files) == 24
+    assert sum(name.endswith(".41.kv") for name in files) == 16  # "A" in hex, in the file's name
+
+
+def test_a_node_server_writes_each_tenant_to_its_disk(node_servers, tmp_path):  # noqa: F811
+    """The server's lower tier gets each chunk's tenant with it (and keeps it in the file name)."""
+    folder = node_servers.folder
+    disk = folder / "lower"
+    server_file = folder / "server-disk.toml"
+    server_file.write_text(f'[pipeline]\nname = "s"\n\n[tiers.memory]\nkind = "memory"\n\n'
+                           f'[tiers.disk]\nkind = "disk"\npath = "{disk}"\ncapacity = "64MiB"\n', encoding="utf-8")
+    server = node_servers("lower", memory="4MiB", pipeline=server_file)
+    engine = node_engine(server.socket)
+    geometry = flood_geometry()
+    kv = make_paged_kv(geometry, 64, seed=1)
+    slots = random_slot_mapping(CHUNK_TOKENS * DOC_CHUNKS, geometry, 64, seed=2)
+    try:
+        engine.store(torch.arange(CHUNK_TOKENS * DOC_CHUNKS), kv_caches=kv, slot_mapping=slots,
+                     tags={"tenant": "B"})
+    finally:
+        engine.close()
+    server.stop()  # drains the lower queue and flushes the disk's writes
+    names = [p.name for p in disk.rglob("*.kv")]
+    assert len(names) == DOC_CHUNKS and all(name.endswith(".42.kv") for name in names)  # "B" in hex
