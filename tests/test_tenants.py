@@ -10,10 +10,13 @@ pipeline file.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import subprocess
 import sys
+import types
+import urllib.request
 from pathlib import Path
 
 import anyio
@@ -163,9 +166,9 @@ def test_a_promoted_chunk_is_the_readers():
 # -- through a node server -------------------------------------------------------------
 
 
-def server_flood(node_servers, quotas):  # noqa: F811
+def server_flood(node_servers, quotas, name: str):  # noqa: F811
     folder = node_servers.folder
-    server = node_servers("flood" if quotas else "plain", memory="4MiB",
+    server = node_servers(name, memory="4MiB",
                           pipeline=server_pipeline(folder, quotas) if quotas else None)
     engine = node_engine(server.socket)
     conn = NodeConnection.connect(server.socket, timeout_s=10.0)
@@ -177,7 +180,7 @@ def server_flood(node_servers, quotas):  # noqa: F811
 
 
 def test_node_server_flood_within_quotas_leaves_b_alone(node_servers):  # noqa: F811
-    server, result = server_flood(node_servers, {"A": "2MiB", "B": "2MiB"})
+    server, result = server_flood(node_servers, {"A": "2MiB", "B": "2MiB"}, "quotas")
     check_quota_flood(result)
     # flowkv server status shows each tenant, as text and as JSON.
     cli = [sys.executable, "-m", "flowkv.cli", "server", "status", "--socket", str(server.socket)]
@@ -188,7 +191,7 @@ def test_node_server_flood_within_quotas_leaves_b_alone(node_servers):  # noqa: 
 
 
 def test_node_server_flood_without_quotas_evicts_b(node_servers):  # noqa: F811
-    _, result = server_flood(node_servers, None)
+    _, result = server_flood(node_servers, None, "plain")
     check_plain_flood(result)
 
 
@@ -290,3 +293,46 @@ def test_a_node_server_writes_each_tenant_to_its_disk(node_servers, tmp_path):  
     server.stop()  # drains the lower queue and flushes the disk's writes
     names = [p.name for p in disk.rglob("*.kv")]
     assert len(names) == DOC_CHUNKS and all(name.endswith(".42.kv") for name in names)  # "B" in hex
+
+
+def test_node_server_metrics_carry_a_tenant_label(node_servers):  # noqa: F811
+    server, result = server_flood(node_servers, {"A": "2MiB", "B": "2MiB"}, "metrics")
+    url = server.status()["metrics"]
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    a, b = result["tenants"]["A"], result["tenants"]["B"]
+    assert f'flowkv_server_tenant_evictions_total{{tenant="A"}} {a["evictions"]}' in text
+    assert f'flowkv_server_tenant_hits_total{{tenant="B"}} {b["hits"]}' in text
+    assert f'flowkv_server_tenant_quota_bytes{{tenant="B"}} {QUOTA}' in text
+    assert f'flowkv_server_tenant_entries{{tenant="B"}} {B_DOCS * DOC_CHUNKS}' in text
+
+
+def test_vllm_metrics_count_each_tenant_under_its_label():
+    """The connector's ``vllm:flowkv_tenant_*`` series, from one interval of an engine's stats."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from flowkv.integration.vllm.metrics import FlowKVPromMetrics, FlowKVStats, snapshot
+
+    engine = memory_engine("4MiB", {"A": "2MiB", "B": "2MiB"})
+    try:
+        before = snapshot(engine.stats())
+        engine.drain_latencies()
+        result = flood(engine, memory_tenants(engine), a_docs=A_DOCS, b_docs=B_DOCS)
+        stats = FlowKVStats.between(before, snapshot(engine.stats()), engine.drain_latencies())
+    finally:
+        engine.close()
+    registry = CollectorRegistry()
+    metric_types = {kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
+    metrics = FlowKVPromMetrics(types.SimpleNamespace(kv_transfer_config=None), metric_types, ["engine"], {0: ["0"]})
+    metrics.observe(stats.data, engine_idx=0)
+
+    def value(name: str, tenant: str) -> float | None:
+        return registry.get_sample_value(name, {"engine": "0", "tier": "memory", "tenant": tenant})
+
+    a, b = result["tenants"]["A"], result["tenants"]["B"]
+    assert value("vllm:flowkv_tenant_hits_total", "B") == b["hits"] == B_DOCS * DOC_CHUNKS
+    assert value("vllm:flowkv_tenant_evictions_total", "A") == a["evictions"] > 0
+    assert value("vllm:flowkv_tenant_evictions_total", "B") is None  # never counted: B lost nothing
+    assert value("vllm:flowkv_tenant_bytes", "A") == a["bytes"] <= QUOTA
+    assert value("vllm:flowkv_tenant_quota_bytes", "B") == QUOTA
+    assert all(key.isprintable() for key in stats.reduce())  # per-tenant keys stay out of vLLM's log line
