@@ -40,7 +40,8 @@ from typing import Any
 
 import attrs
 
-__all__ = ["DEFAULT_TENANT", "TENANT_TAG", "TenantLedger", "TenantStats", "check_tenant_name", "tenant_of"]
+__all__ = ["DEFAULT_TENANT", "TENANT_TAG", "TenantLedger", "TenantStats", "check_tenant_name", "sum_reports",
+           "tenant_of", "tier_reports"]
 
 #: The tenant of a request with neither a tenant tag nor a cache salt, and the quota of unnamed tenants.
 DEFAULT_TENANT = "default"
@@ -182,3 +183,36 @@ class TenantLedger:
         for label, stats in out.items():
             stats.quota = self.quota(label) or 0
         return {label: attrs.asdict(stats) for label, stats in sorted(out.items())}
+
+
+#: The most tenant labels a fleet-wide sum keeps (each holder bounds its own; their union is bounded here).
+FLEET_TENANT_LABELS = 64
+_SUMMED = ("bytes", "entries", "hits", "misses", "evictions", "quota_refusals")
+
+
+def tier_reports(stats_by_tier: Mapping[str, Any]) -> dict[str, dict[str, dict[str, int]]]:
+    """``{tier: report}`` of the tiers among ``stats_by_tier`` (a storage manager's ``stats()``) that keep tenants."""
+    return {tier: dict(numbers["tenants"]) for tier, numbers in stats_by_tier.items()
+            if isinstance(numbers, Mapping) and isinstance(numbers.get("tenants"), Mapping) and numbers["tenants"]}
+
+
+def sum_reports(reports: list[Mapping[str, Any]], *, labels: int = FLEET_TENANT_LABELS) -> dict[str, dict[str, int]]:
+    """Tenant label -> numbers summed over ``reports`` (each ``{tier: {label: numbers}}``, from untrusted
+    holders: anything not a number is skipped); labels past ``labels`` (fewest bytes) fold into ``default``."""
+    total: dict[str, dict[str, int]] = {}
+    for report in reports:
+        for tenants in (report.values() if isinstance(report, Mapping) else ()):
+            for label, numbers in (tenants.items() if isinstance(tenants, Mapping) else ()):
+                if not isinstance(label, str) or not isinstance(numbers, Mapping):
+                    continue
+                into = total.setdefault(clean_tenant(label), dict.fromkeys(_SUMMED, 0))
+                for field in _SUMMED:
+                    value = numbers.get(field)
+                    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                        into[field] += value
+    named = sorted((label for label in total if label != DEFAULT_TENANT), key=lambda label: -total[label]["bytes"])
+    for label in named[labels:]:
+        into = total.setdefault(DEFAULT_TENANT, dict.fromkeys(_SUMMED, 0))
+        for field, value in total.pop(label).items():
+            into[field] += value
+    return dict(sorted(total.items()))

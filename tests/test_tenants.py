@@ -336,3 +336,37 @@ def test_vllm_metrics_count_each_tenant_under_its_label():
     assert value("vllm:flowkv_tenant_bytes", "A") == a["bytes"] <= QUOTA
     assert value("vllm:flowkv_tenant_quota_bytes", "B") == QUOTA
     assert all(key.isprintable() for key in stats.reduce())  # per-tenant keys stay out of vLLM's log line
+
+
+# -- the fleet ---------------------------------------------------------------------------
+
+
+def test_the_controller_sums_each_tenant_over_the_fleet(node_servers, tmp_path):  # noqa: F811
+    """A node server (through flowkv node-report) and an in-process engine both hold tenant B's
+    chunks: the controller's /tenants, /metrics and dashboard table show their sum."""
+    from fleet_helpers import ControllerProcess, wait_for
+    from test_controller_node import holder, node_report
+
+    controller = ControllerProcess(tmp_path / "controller", token="t", heartbeat_s=0.3, timeout_s=2.0).start()
+    server, result = server_flood(node_servers, {"A": "2MiB", "B": "2MiB"}, "fleet")
+    follower = node_report(controller, server.socket, tmp_path)
+    local = memory_engine("4MiB", None)
+    reporting = holder(controller, local, "local")
+    try:
+        geometry = flood_geometry()
+        local.store(torch.arange(CHUNK_TOKENS * 2), kv_caches=make_paged_kv(geometry, 64, seed=1),
+                    slot_mapping=random_slot_mapping(CHUNK_TOKENS * 2, geometry, 64, seed=2), tags={"tenant": "B"})
+        expected_b = B_DOCS * DOC_CHUNKS + 2
+        fleet = wait_for(lambda: (lambda t: t if t.get("B", {}).get("entries") == expected_b else None)(
+            controller.get("/tenants")), "both holders' tenant numbers reach the controller")
+        assert fleet["A"]["evictions"] == result["tenants"]["A"]["evictions"]
+        assert fleet["B"]["hits"] == result["tenants"]["B"]["hits"]  # the local engine read nothing
+        with urllib.request.urlopen(controller.url + "/metrics", timeout=30) as reply:
+            text = reply.read().decode()
+        assert f'flowkv_fleet_tenant_entries{{tenant="B"}} {expected_b}' in text
+    finally:
+        reporting.close()
+        local.close()
+        follower.terminate()
+        follower.wait()
+        controller.close()
