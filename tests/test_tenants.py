@@ -370,3 +370,16 @@ def test_the_controller_sums_each_tenant_over_the_fleet(node_servers, tmp_path):
         follower.terminate()
         follower.wait()
         controller.close()
+
+
+def test_bench_tenants_prints_the_flood_table_with_and_without_quotas():
+    """``flowkv bench tenants`` as the README runs it (memory tier only, small): the rows follow from the sizes."""
+    out = subprocess.run([sys.executable, "-m", "flowkv.cli", "bench", "tenants", "--no-server", "--capacity", "1MiB",
+                          "--a-docs", "10", "--b-docs", "2"], capture_output=True, text=True, check=True).stdout
+    rows = [line.split() for line in out.splitlines() if line.startswith("memory tier")]
+    assert len(rows) == 2, out
+    plain, quotas = rows
+    per_tenant = (MIB // 2) // chunk_bytes()  # each tenant's quota is half of 1 MiB
+    # no quotas: 16 chunks of room, B's 8 go first under A's 40; with quotas A keeps its newest 8.
+    assert plain[4:7] == ["0%", "8", str(10 * DOC_CHUNKS + 2 * DOC_CHUNKS - MIB // chunk_bytes() - 8)], out
+    assert quotas[-5:-2] == ["100%", "0", str(10 * DOC_CHUNKS - per_tenant)], out

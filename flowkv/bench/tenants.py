@@ -141,12 +141,12 @@ def run(args: argparse.Namespace) -> int:
             rows.append(("node server", label, _through_server(args, quotas)))
     print(f"two-tenant flood: B stores {args.b_docs} documents ({args.b_docs * DOC_CHUNKS} chunks), "
           f"A then {args.a_docs} new ones ({args.a_docs * DOC_CHUNKS} chunks); cache {args.capacity}")
-    print(f"{'cache':<12} {'setting':<26} {'B hit rate':>10} {'B evicted':>9} {'A evicted':>9} {'A held most':>12}")
+    print(f"{'cache':<12} {'setting':<32} {'B hit rate':>10} {'B evicted':>9} {'A evicted':>9} {'A held most':>12}")
     for cache, label, result in rows:
         tenants = result["tenants"]
         a, b = tenants.get("A", {}), tenants.get("B", {})
         rate = result["b_hit_chunks"] / result["b_chunks"] if result["b_chunks"] else 0.0
-        print(f"{cache:<12} {label:<26} {rate:>10.0%} {b.get('evictions', 0):>9} {a.get('evictions', 0):>9} "
+        print(f"{cache:<12} {label:<32} {rate:>10.0%} {b.get('evictions', 0):>9} {a.get('evictions', 0):>9} "
               f"{format_size(result['a_most_bytes']):>12}")
     return 0
 
