@@ -354,9 +354,9 @@ class DiskTier(Tier):
         victims: list[str] = []
         while self._index and self._bytes_used + self._reserved + needed > self._capacity:
             digest = None
-            if self._ledger.quotas:
-                over = (d for d in self._index if self._ledger.over_quota(self._owner.get(d, DEFAULT_TENANT)))
-                digest = next(over, None)
+            if self._ledger.quotas:  # the over-quota tenants' own oldest (few tenants, many files)
+                over = [t for t in self._by_tenant if self._ledger.over_quota(t)]
+                digest = next(iter(self._by_tenant[over[0]])) if over else None
             if digest is None:
                 digest = next(iter(self._index))
             self._evict(digest)

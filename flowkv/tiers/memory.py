@@ -425,10 +425,11 @@ class MemoryTier(ObjectTier):
     def _evict_for_room_locked(self) -> str | None:
         """The arena is full: entries of tenants over their quota go first, then plain LRU."""
         if self._ledger.quotas:
-            over = [key for key in self._entries if self._ledger.over_quota(self._tenant[key])]
-            victim = self._evict_first_locked(over)
-            if victim is not None:
-                return victim
+            # Few tenants, many entries: walk the over-quota tenants' own LRU lists, not the whole index.
+            for tenant in [t for t in self._by_tenant if self._ledger.over_quota(t)]:
+                victim = self._evict_first_locked(self._by_tenant[tenant])
+                if victim is not None:
+                    return victim
         return self._evict_first_locked(self._entries)
 
     def _evict_first_locked(self, keys) -> str | None:
