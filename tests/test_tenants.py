@@ -383,3 +383,17 @@ def test_bench_tenants_prints_the_flood_table_with_and_without_quotas():
     # no quotas: 16 chunks of room, B's 8 go first under A's 40; with quotas A keeps its newest 8.
     assert plain[4:7] == ["0%", "8", str(10 * DOC_CHUNKS + 2 * DOC_CHUNKS - MIB // chunk_bytes() - 8)], out
     assert quotas[-5:-2] == ["100%", "0", str(10 * DOC_CHUNKS - per_tenant)], out
+
+
+def test_a_quota_changed_in_the_servers_pipeline_file_applies_at_its_next_start(node_servers):  # noqa: F811
+    folder = node_servers.folder / "requota"
+    folder.mkdir()
+    server_pipeline(folder, {"A": "1MiB"})
+    server = node_servers("requota", memory="4MiB", pipeline=folder / "server.toml")
+    assert server.status()["memory"]["tenants"]["A"]["quota"] == MIB
+    server_pipeline(folder, {"A": "3MiB", "B": "512KiB"})
+    assert server.status()["memory"]["tenants"]["A"]["quota"] == MIB  # read at start only
+    server.stop()
+    server.start()
+    tenants = server.status()["memory"]["tenants"]
+    assert (tenants["A"]["quota"], tenants["B"]["quota"]) == (3 * MIB, MIB // 2)
