@@ -236,7 +236,8 @@ def disk_flood(tier: DiskTier, *, a_entries: int = 100, b_entries: int = 8) -> d
         await tier.put([(f"b/{i}", blob, "B") for i in range(b_entries)])
         for i in range(a_entries):
             await tier.put([(f"a/{i}", blob, "A")])
-        return sum(found is not None for found in await tier.get([f"b/{i}" for i in range(b_entries)]))
+        found = await tier.get([f"b/{i}" for i in range(b_entries)] + ["b/never-stored"], tenant="B")
+        return sum(blob is not None for blob in found)
 
     b_hits = anyio.run(flood_and_read)
     return {"b_hits": b_hits, "tenants": tier.stats()["tenants"], "size": len(blob)}
@@ -248,6 +249,7 @@ def test_disk_tier_flood_within_quotas_leaves_b_alone(tmp_path):
     result = disk_flood(tier)
     a, b = result["tenants"]["A"], result["tenants"]["B"]
     assert result["b_hits"] == b["hits"] == 8 and b["evictions"] == 0 and b["entries"] == 8
+    assert b["misses"] == 1  # the reader is told: its miss counts for it
     assert a["entries"] == 32 and a["evictions"] == 100 - 32 and a["bytes"] <= a["quota"] == 32 * size
 
 

@@ -469,7 +469,7 @@ class StorageManager:
         order = [entry.tier] if entry.tier in self.guarded else []
         order += [n for n in self.guarded if n not in order]
         for name in order:
-            blob = self._call(name, "get", [key], default=[None])[0]
+            blob = self._call(name, "get", [key], entry.tenant, default=[None])[0]
             if blob is None:
                 continue
             if promote and self._promote(key, blob, entry.shape, entry.dtype, entry.tenant):
@@ -568,7 +568,7 @@ class StorageManager:
         for name, group in by_tier.items():
             landed = landing[name]
             try:
-                future = portal.submit(self.guarded[name].get, [e.key for e in group])
+                future = portal.submit(self.guarded[name].get, [e.key for e in group], group[0].tenant)
             except Exception:  # no I/O thread (shutting down): nothing lands
                 log.warning("flowkv: prefetch from %s not started", name, exc_info=True)
                 self._prefetched(None, group, landed)

@@ -209,7 +209,9 @@ class DiskTier(Tier):
     async def exists(self, keys: list[str]) -> list[bool]:
         return [key_digest(key) in self._index for key in keys]
 
-    async def get(self, keys: list[str]) -> list[bytes | None]:
+    async def get(self, keys: list[str], tenant: str | None = None) -> list[bytes | None]:
+        """Payloads of ``keys``; hits and misses count for ``tenant`` (the reader; default: a hit's owner)."""
+        reader = clean_tenant(tenant) if tenant is not None else None
         digests = [key_digest(key) for key in keys]
         wanted = [d for d in dict.fromkeys(digests) if d in self._index]
         for digest in wanted:
@@ -227,11 +229,11 @@ class DiskTier(Tier):
             blob = found.get(digest)
             if isinstance(blob, bytes):
                 self._counters["hits"] += 1
-                self._ledger.hit(self._owner.get(digest, DEFAULT_TENANT))
+                self._ledger.hit(reader or self._owner.get(digest, DEFAULT_TENANT))
                 results.append(blob)
             else:
                 self._counters["misses"] += 1
-                self._ledger.miss(DEFAULT_TENANT)  # a key names no tenant: an absent one is nobody's
+                self._ledger.miss(reader or DEFAULT_TENANT)
                 results.append(None)
         return results
 
