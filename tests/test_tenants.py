@@ -399,3 +399,15 @@ def test_a_quota_changed_in_the_servers_pipeline_file_applies_at_its_next_start(
     server.start()
     tenants = server.status()["memory"]["tenants"]
     assert (tenants["A"]["quota"], tenants["B"]["quota"]) == (3 * MIB, MIB // 2)
+
+
+def test_a_room_given_back_unfilled_is_no_longer_charged_to_its_tenant():
+    engine = memory_engine("4MiB", {"A": "1MiB"})
+    try:
+        tier = engine.storage.tier("memory")
+        room = tier.allocate(flood_geometry().chunk_shape(CHUNK_TOKENS), flood_geometry().dtype, tenant="A")
+        assert tier.stats().tenants["A"]["bytes"] == chunk_bytes()  # a room being filled counts
+        room.ref_down()  # the store stopped before its put
+        assert tier.stats().tenants["A"]["bytes"] == 0
+    finally:
+        engine.close()

@@ -460,6 +460,7 @@ class MemoryTier(ObjectTier):
     def stats(self) -> MemoryTierStats:
         """A consistent snapshot of the counters."""
         with self._lock:
+            self._sweep_filling_locked()  # rooms given back unfilled count no more
             return MemoryTierStats(
                 entries=len(self._entries),
                 used_bytes=self.arena.used_bytes,
