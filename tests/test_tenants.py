@@ -411,3 +411,40 @@ def test_a_room_given_back_unfilled_is_no_longer_charged_to_its_tenant():
         assert tier.stats().tenants["A"]["bytes"] == 0
     finally:
         engine.close()
+
+
+def test_a_flooding_tenant_never_stops_another_tenants_stores_running_beside_it():
+    """Two threads on one memory tier: A stores far past its quota while B stores within its own."""
+    import threading
+
+    from flowkv.tiers.memory import MemoryTier, MemoryTierConfig
+
+    room = 64 * 1024
+    tier = MemoryTier(config=MemoryTierConfig(capacity=64 * room, pin_memory=False, prefault="off",
+                                              quotas={"A": 32 * room, "B": 32 * room}))
+    tier.open(slab_bytes=room)
+    refused: dict[str, int] = {"A": 0, "B": 0}
+    a_most = [0]
+
+    def store(tenant: str, count: int) -> None:
+        for i in range(count):
+            obj = tier.allocate_bytes(room, tenant=tenant)
+            if obj is None:
+                refused[tenant] += 1
+                continue
+            tier.put(f"{tenant}/{i}", obj)
+            obj.ref_down()
+            if tenant == "A":
+                a_most[0] = max(a_most[0], tier.stats().tenants["A"]["bytes"])
+
+    flood = threading.Thread(target=store, args=("A", 2000))
+    flood.start()
+    store("B", 32)
+    flood.join()
+    tenants = tier.stats().tenants
+    assert refused == {"A": 0, "B": 0}
+    assert (tenants["B"]["entries"], tenants["B"]["evictions"]) == (32, 0)
+    assert tenants["A"]["entries"] == 32 and tenants["A"]["evictions"] == 2000 - 32
+    assert a_most[0] <= 32 * room
+    assert all(tier.contains(f"B/{i}") for i in range(32))
+    tier.close()
