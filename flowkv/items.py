@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from flowkv.tenants import tenant_of
+
 if TYPE_CHECKING:
     from flowkv.accounting import Counters
     from flowkv.kernels import KVGeometry
@@ -52,6 +54,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.numel())
+
+    @property
+    def tenant(self) -> str:
+        """Whose request this is: its ``tenant`` tag, else its ``cache_salt``, else ``default``."""
+        return tenant_of(self.tags)
 
     def fail_from(self, chunk: Chunk) -> None:
         """``chunk`` was promised but cannot be loaded: the good prefix ends before it.

@@ -98,6 +98,11 @@ class MemoryObj:
         return self._arena
 
     @property
+    def held_bytes(self) -> int:
+        """Bytes of arena pages this object takes (what a tenant's quota counts)."""
+        return self._pages * self._arena.page_bytes
+
+    @property
     def freed(self) -> bool:
         """True once the pages went back to the arena."""
         return self._tensor is None
@@ -303,6 +308,10 @@ class MemoryArena:
     def free_runs(self) -> int:
         """Separate runs of free pages: 1 for an empty arena; more means fragmented."""
         return len(self._run_starts)
+
+    def cost(self, nbytes: int) -> int:
+        """Bytes of pages an object of ``nbytes`` takes."""
+        return max(1, -(-int(nbytes) // self.page_bytes)) * self.page_bytes
 
     def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> MemoryObj | None:
         """An object whose `MemoryObj.tensor` has ``shape`` and ``dtype``, or ``None`` when full.

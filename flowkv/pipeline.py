@@ -57,6 +57,7 @@ from flowkv.pipeline_model import (
 )
 from flowkv.registry import Facet, RegistryError, did_you_mean
 from flowkv.sizes import parse_size
+from flowkv.tenants import check_tenant_name
 
 __all__ = [
     *pipeline_model.__all__,
@@ -321,6 +322,11 @@ class _Loader:
                 except ValueError as exc:
                     self.error(path + (field_name,), f"{what} {field_name}: {exc}", "invalid-value")
                     return None
+        if "quotas" in table and "quotas" in names:
+            quotas = self.structure_quotas(table["quotas"], path + ("quotas",), what)
+            if quotas is None:
+                return None
+            table["quotas"] = quotas
         try:
             return _converter.structure(table, cls)
         except ClassValidationError as group:
@@ -336,6 +342,32 @@ class _Loader:
         except Exception as exc:  # an attrs validator or __attrs_post_init__ refused it
             self.error(path, f"{what}: {exc}", "invalid-value")
         return None
+
+    def structure_quotas(self, raw: Any, path: tuple[str | int, ...], what: str) -> dict[str, int] | None:
+        """``quotas = { default = "1GiB", acme = "8GiB" }``: tenant names to sizes, each mistake at its key."""
+        if not isinstance(raw, dict):
+            self.error(path, f'{what} quotas: expected a table of tenant = size, e.g. '
+                             f'{{ default = "1GiB", acme = "8GiB" }}, got {type(raw).__name__}', "invalid-value")
+            return None
+        quotas: dict[str, int] = {}
+        good = True
+        for tenant, size in raw.items():
+            why = check_tenant_name(tenant)
+            if why is not None:
+                self.error(path + (tenant,), f"{what} quotas: {why}", "invalid-value")
+                good = False
+                continue
+            try:
+                quotas[tenant] = parse_size(size)
+            except ValueError as exc:
+                self.error(path + (tenant,), f"{what} quotas.{tenant}: {exc}", "invalid-value")
+                good = False
+                continue
+            if quotas[tenant] == 0:
+                self.error(path + (tenant,), f"{what} quotas.{tenant}: a quota must be above 0 B "
+                                             "(leave the tenant out to give it the default)", "invalid-value")
+                good = False
+        return quotas if good else None
 
     def report_validation(
         self,

@@ -45,7 +45,8 @@ def allocate(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
     ctx.defer(lambda: storage.release_objects([(staging, obj) for obj in objs]))
     # Each chunk's room is taken when the chunk is pulled (a compressed chunk gives
     # the rest back before the next is allocated); a node server gives all at once.
-    rooms = storage.allocate_each([geometry.chunk_shape(chunk.num_tokens) for chunk in wanted], geometry.dtype)
+    rooms = storage.allocate_each([geometry.chunk_shape(chunk.num_tokens) for chunk in wanted], geometry.dtype,
+                                  tenant=wanted[0].request.tenant)
     ctx.defer(rooms.close)  # rooms taken for chunks never pulled go back
     for chunk in wanted:
         obj = next(rooms, None)
@@ -81,7 +82,7 @@ def put(chunks: Iterator[Chunk], *, ctx: RunContext, tiers: list[str] | None = N
             for name in names:
                 # Object tiers commit the run's chunks together when the stage ends (one call each).
                 nbytes = storage.put(name, chunk.key_str, obj=chunk.obj, kv=chunk.kv, payload=chunk.payload,
-                                     later=True)
+                                     later=True, tenant=chunk.request.tenant)
                 if chunk.obj is not None and "codec" in chunk.obj.meta:
                     chunk.kv = None  # memory keeps the encoding in the chunk's own pages: the raw view is gone
                 if nbytes:
@@ -142,7 +143,7 @@ def lookup(
         below = [c for c in hit if c.tier is not None and not storage.holds_objects(c.tier)]
         if prefetch and below:
             dtype = services.geometry.dtype
-            storage.prefetch([Entry(c.key_str, c.tier, services.chunk_shape(c.num_tokens), dtype)
+            storage.prefetch([Entry(c.key_str, c.tier, services.chunk_shape(c.num_tokens), dtype, request.tenant)
                               for c in below], owner)
     ctx.record(hit_tokens=request.hit_tokens - request.masked, chunks=len(hit))
     yield from hit
@@ -172,8 +173,8 @@ def get(chunks: Iterator[Chunk], *, ctx: RunContext, promote: bool = True) -> It
     wanted = [chunk for chunk in pending if not chunk.skip]
     # Object tiers are asked once for every chunk (one round trip to a node server);
     # byte tiers chunk by chunk as they are pulled.
-    reads = storage.read_many([Entry(c.key_str, c.tier, chunk_shape(c.num_tokens), dtype) for c in wanted],
-                              promote=promote)
+    reads = storage.read_many([Entry(c.key_str, c.tier, chunk_shape(c.num_tokens), dtype, c.request.tenant)
+                               for c in wanted], promote=promote)
     held: list[tuple[str, object]] = []
     ctx.defer(lambda: storage.release_objects(held))
     ctx.defer(reads.close)  # releases what was read for chunks never pulled

@@ -48,7 +48,10 @@ class Counters:
         share = min(1.0, self.hit_share * (1 + self.beats / 10))
         return {"counters": {"lookup_requested_tokens": asked, "lookup_hit_tokens": int(asked * share)},
                 "tiers": {"memory": {"used_bytes": int(self.capacity * min(0.9, 0.1 * self.beats)),
-                                     "capacity_bytes": self.capacity}}}
+                                     "capacity_bytes": self.capacity}},
+                # Each instance's tenant "acme": 3 hits and 1 miss, 2 entries of 1 MiB (flowkv.tenants).
+                "tenants": {"memory": {"acme": {"bytes": 2 << 20, "entries": 2, "hits": 3, "misses": 1,
+                                                "evictions": 0}}}}
 
 
 def instance(url: str, instance_id: str, *, pipeline: str, stats: Counters, token_file: Path) -> Reporter:
@@ -162,6 +165,11 @@ def test_the_dashboard_shows_instances_hit_rate_latency_events_and_answers_a_pas
         assert "vllm-a" in fresh(lambda: browser.find_element(By.ID, "hitrate-legend").text, "the legend")
         latency = fresh(lambda: browser.find_element(By.ID, "latency").text, "the latency table")
         assert "store" in latency and "retrieve" in latency and "9.00" in latency
+        # Tenants, summed over the fleet: vllm-a and vllm-b up (vllm-c's last report counts too).
+        tenant = fresh(lambda: [row.text.split() for row in
+                                browser.find_elements(By.CSS_SELECTOR, '#tenants tr[data-tenant="acme"]')],
+                       "the tenants table is filled")[0]
+        assert tenant == ["acme", "6.0", "MiB", "6", "75%", "9", "3", "0"]
         events = fresh(lambda: browser.find_element(By.ID, "events").text, "the events list")
         assert "admit" in events and "vllm-a" in events and "down" in events
 

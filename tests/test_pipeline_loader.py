@@ -316,6 +316,26 @@ ONE_MISTAKE = [
         for size in ["4GB B", "lots", "4 GiBs", "-1GiB"]
     ),
     mistake(
+        "bad-quota-size",
+        '[tiers.memory]\nkind = "memory"\nquotas = { default = "1GiB", acme = "8 GiBs" }\n',
+        "invalid-value", 3, "quotas.acme", "invalid size", col=30,
+    ),
+    mistake(
+        "bad-quota-tenant-name",
+        '[tiers.memory]\nkind = "memory"\nquotas = { "a b" = "1GiB" }\n',
+        "invalid-value", 3, "tenant name 'a b'", col=12,
+    ),
+    mistake(
+        "quotas-not-a-table",
+        '[tiers.memory]\nkind = "memory"\nquotas = "1GiB"\n',
+        "invalid-value", 3, "expected a table of tenant = size",
+    ),
+    mistake(
+        "zero-quota",
+        '[tiers.memory]\nkind = "memory"\nquotas = { acme = 0 }\n',
+        "invalid-value", 3, "quotas.acme: a quota must be above 0 B", col=12,
+    ),
+    mistake(
         "negative-integer-size",
         '[tiers.memory]\nkind = "memory"\ncapacity = -3\n',
         "invalid-value", 3, "cannot be negative",

@@ -279,7 +279,7 @@ def test_config_rejects_bad_values(tmp_path: Path) -> None:
 def test_disk_is_a_registered_tier_kind(tmp_path: Path) -> None:
     info = resolve_tier("disk")
     assert info.cls is DiskTier and info.config_cls is DiskTierConfig
-    assert {f.name for f in attrs.fields(DiskTierConfig)} == {"path", "capacity", "admit_after", "fsync"}
+    assert {f.name for f in attrs.fields(DiskTierConfig)} == {"path", "capacity", "admit_after", "fsync", "quotas", "tenant_labels"}
 
 
 async def test_real_payloads_are_checked_by_default(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "ttft": ("flowkv.bench.ttft", "vLLM time to first token: no cache, flowkv, ExampleConnector"),
     "serve": ("flowkv.bench.serve", "vllm serve under concurrent clients: requests/s, TTFT, ITL with and without flowkv"),
     "mix": ("flowkv.bench.mix", "vllm serve: memory-hit TTFT alone and beside disk hits, async loads on and off"),
+    "tenants": ("flowkv.bench.tenants", "two tenants, one cache: B's hit rate under A's flood, with and without quotas"),
     "route": ("flowkv.bench.route", "two vLLM servers: round-robin against flowkv route (hit rate, TTFT, req/s)"),
 }
 

@@ -38,12 +38,14 @@ __all__ = ["measure_engine", "node_server", "print_engine"]
 
 
 @contextlib.contextmanager
-def node_server(memory_bytes: int, *, ready_s: float = 120.0) -> Iterator[Path]:
-    """A ``flowkv server`` process on a fresh socket for the length of the block; its socket path."""
+def node_server(memory_bytes: int, *, ready_s: float = 120.0, pipeline: Path | None = None) -> Iterator[Path]:
+    """A ``flowkv server`` process on a fresh socket for the length of the block (with its own
+    ``pipeline`` file when given); its socket path."""
     folder = Path(tempfile.mkdtemp(prefix="fkv-bench-"))
     socket = folder / "node.sock"
+    extra = ["--pipeline", str(pipeline)] if pipeline is not None else []
     proc = subprocess.Popen([sys.executable, "-m", "flowkv.cli", "server", "--socket", str(socket),
-                             "--memory", str(memory_bytes)], stdout=subprocess.PIPE,
+                             "--memory", str(memory_bytes), *extra], stdout=subprocess.PIPE,
                             stderr=open(folder / "server.log", "w", encoding="utf-8"), text=True)
     line: list[str] = []
     reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)

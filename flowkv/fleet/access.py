@@ -8,7 +8,7 @@ Three roles, each with its own bearer tokens:
     that reports an id owns it (a line ``TOKEN ID...`` in the token file
     fixes the ids a token may report for, across controller restarts too).
 ``reader``
-    the queries: ``/lookup``, ``/instances``, ``/metrics``, ``/api/*``, the
+    the queries: ``/lookup``, ``/instances``, ``/tenants``, ``/metrics``, ``/api/*``, the
     API description (``/docs``, ``/openapi.json``): what ``flowkv route`` and
     people use.
 ``operator``

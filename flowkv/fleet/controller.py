@@ -42,6 +42,7 @@ from flowkv.fleet.protocol import (
     Snapshot,
 )
 from flowkv.fleet.tokens import Tokenizers
+from flowkv.tenants import sum_reports
 
 __all__ = ["create_app", "serve"]
 
@@ -192,7 +193,12 @@ def create_app(directory: Directory | None = None, *, access: Access | None = No
 
     @app.get("/metrics", response_class=PlainTextResponse, tags=["queries"])
     def metrics() -> str:
-        return _prometheus(directory)
+        return _prometheus(directory) + _tenant_prometheus(directory)
+
+    @app.get("/tenants", tags=["queries"])
+    def tenants() -> dict[str, dict[str, int]]:
+        """Per tenant, summed over the fleet's holders: bytes, entries, hits, misses, evictions."""
+        return _fleet_tenants(directory)
 
     # -- commands ---------------------------------------------------------------
 
@@ -282,6 +288,34 @@ def _prometheus(directory: Directory) -> str:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 lines.append(f'flowkv_instance_counter{{instance="{_label(instance_id)}",rank="{rank}",'
                              f'name="{_label(name)}"}} {value}')
+    return "\n".join(lines) + "\n"
+
+
+def _fleet_tenants(directory: Directory) -> dict[str, dict[str, int]]:
+    """Each holder's last per-tenant report (its heartbeat's ``stats.tenants``), summed per tenant."""
+    return sum_reports([stats.get("tenants") or {} for stats in directory.metrics()["stats"].values()
+                        if isinstance(stats, dict)])
+
+
+_TENANT_METRICS = (
+    ("bytes", "gauge", "Bytes each tenant holds, summed over the fleet's tiers"),
+    ("entries", "gauge", "Entries each tenant holds, summed over the fleet's tiers"),
+    ("hits", "counter", "Chunks each tenant read, summed over the fleet"),
+    ("misses", "counter", "Chunks each tenant asked for and did not find, summed over the fleet"),
+    ("evictions", "counter", "Entries of each tenant evicted, summed over the fleet"),
+)
+
+
+def _tenant_prometheus(directory: Directory) -> str:
+    """``flowkv_fleet_tenant_*{tenant="..."}``: the fleet's per-tenant sums (a bounded label set)."""
+    tenants = _fleet_tenants(directory)
+    if not tenants:
+        return ""
+    lines: list[str] = []
+    for field, kind, text in _TENANT_METRICS:
+        name = f"flowkv_fleet_tenant_{field}" + ("_total" if kind == "counter" else "")
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+        lines += [f'{name}{{tenant="{_label(label)}"}} {numbers[field]}' for label, numbers in tenants.items()]
     return "\n".join(lines) + "\n"
 
 

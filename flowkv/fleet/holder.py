@@ -26,6 +26,7 @@ from flowkv.fleet.node import shared_server_ids
 from flowkv.fleet.protocol import Command, CommandResult, Registration, TierInfo
 from flowkv.fleet.reporter import Reporter, ReporterConfig, new_session
 from flowkv.keys import tags_digest
+from flowkv.tenants import tier_reports
 
 __all__ = ["EngineHolder"]
 
@@ -80,7 +81,7 @@ class EngineHolder:
                            if isinstance(numbers.get(key), (int, float))}
         counters = {key: value for key, value in stats.items()
                     if isinstance(value, (int, float)) and not isinstance(value, bool)}
-        return {"counters": counters, "tiers": tiers}
+        return {"counters": counters, "tiers": tiers, "tenants": tier_reports(stats.get("tiers") or {})}
 
     def _run_command(self, command: Command) -> CommandResult:
         if command.op == "clear":

@@ -31,6 +31,7 @@ from typing import Any
 from flowkv.fleet.protocol import Command, CommandResult, Registration, TierInfo
 from flowkv.fleet.reporter import Reporter, ReporterConfig, new_session
 from flowkv.keys import tags_digest
+from flowkv.tenants import tier_reports
 
 __all__ = ["NodeFollower", "default_server_name", "shared_server_ids"]
 
@@ -207,7 +208,8 @@ class NodeFollower:
                     if isinstance(value, (int, float)) and not isinstance(value, bool)}
         counters.update({f"clients_{key}": value for key, value in (status.get("clients") or {}).items()
                          if isinstance(value, (int, float))})
-        return {"counters": counters, "tiers": tiers}
+        tenants = tier_reports({**(status.get("tiers") or {}), "memory": memory})
+        return {"counters": counters, "tiers": tiers, "tenants": tenants}
 
     def _run_command(self, command: Command) -> CommandResult:
         if command.op != "clear":

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 __all__ = [
     "Ack",
@@ -76,9 +76,17 @@ class Registration(BaseModel):
     tokenizer: str | None = Field(None, description="a tokenizer name or path, for lookups by text")
     pipeline: str = ""
     tiers: list[TierInfo] = []
-    chunk_size: int = Field(gt=0, le=MAX_CHUNK_SIZE)  # 0 would make every lookup divide by zero
+    # 0 would make every lookup divide by zero; a node server (reached through the instances that
+    # share it, never looked up by its own chunks) registers 0.
+    chunk_size: int = Field(ge=0, le=MAX_CHUNK_SIZE)
     hash: str
     shared: list[str] = Field([], description="instance ids of node servers whose tiers this instance reads")
+
+    @model_validator(mode="after")
+    def _chunked_unless_a_server(self) -> Registration:
+        if self.chunk_size == 0 and self.kind != "server":
+            raise ValueError(f"chunk_size must be greater than 0 for a holder of kind {self.kind!r}")
+        return self
 
 
 class Event(BaseModel):

@@ -163,6 +163,7 @@ def _status(args: argparse.Namespace) -> int:
           f"reads {requests.get('get_hits', 0)} hits, {requests.get('get_misses', 0)} misses; "
           f"{requests.get('committed_chunks', 0)} chunks committed "
           f"({requests.get('duplicate_commits', 0)} already held)")
+    _print_tenants(memory.get("tenants", {}))
     for name, numbers in status["tiers"].items():
         health = status["health"].get(name, "?")
         shown = ", ".join(f"{k} {v}" for k, v in numbers.items() if isinstance(v, (int, float)) and v)
@@ -170,3 +171,13 @@ def _status(args: argparse.Namespace) -> int:
     if status.get("metrics"):
         print(f"  metrics  {status['metrics']}")
     return 0
+
+
+def _print_tenants(tenants: dict[str, dict[str, int]]) -> None:
+    """One line per tenant label of the arena: what it holds against its quota, and its reads."""
+    mib = 2**20
+    for label, numbers in tenants.items():
+        quota = f" of {numbers['quota'] / mib:.1f} MiB quota" if numbers.get("quota") else ""
+        print(f"  tenant {label}: {numbers['entries']} entries, {numbers['bytes'] / mib:.1f} MiB{quota}; "
+              f"{numbers['hits']} hits, {numbers['misses']} misses, {numbers['evictions']} evicted, "
+              f"{numbers['quota_refusals']} refused at quota")

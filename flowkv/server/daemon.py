@@ -57,6 +57,7 @@ from flowkv.tiers import node_protocol as wire
 from flowkv.tiers.chain import Entry, StorageManager, TierEvent
 from flowkv.tiers.memory import MemoryTier
 from flowkv.server.leases import LeaseTable, Session
+from flowkv.tenants import DEFAULT_TENANT, clean_tenant
 
 __all__ = ["NodeServer", "ServerOptions"]
 
@@ -140,7 +141,7 @@ class NodeServer:
         self.inode = os.stat(self.segment_path).st_ino
         try:
             self.memory = MemoryTier.on_arena(MemoryArena(options.memory_bytes, slab_bytes=options.slab_bytes,
-                                                          backing=self.segment))
+                                                          backing=self.segment), **_arena_tenants(options.pipeline))
             self.storage = self._storage()
         except BaseException:
             self._remove_segment()
@@ -151,8 +152,8 @@ class NodeServer:
         self.tracer = _tracer(options.pipeline.telemetry if options.pipeline else TelemetrySpec())
         self._traced = options.pipeline is not None and options.pipeline.telemetry.exporter != "none"
         self._pool = concurrent.futures.ThreadPoolExecutor(options.workers, thread_name_prefix="flowkv-node")
-        # Committed chunks on their way to the lower tiers: (key, obj with a reference).
-        self._to_lower: queue.Queue[tuple[str, Any] | None] = queue.Queue(maxsize=1024)
+        # Committed chunks on their way to the lower tiers: (key, obj with a reference, its tenant).
+        self._to_lower: queue.Queue[tuple[str, Any, str] | None] = queue.Queue(maxsize=1024)
         self._writer = threading.Thread(target=self._write_lower, name="flowkv-node-lower", daemon=True)
         self._writer.start()
         self._events: collections.deque[tuple[int, str, str, str]] = collections.deque(maxlen=_EVENTS_KEPT)
@@ -481,11 +482,12 @@ class NodeServer:
                 _is_int(n) and 0 < n <= slab for n in sizes):
             raise RequestError(f"alloc's 'sizes' must be at most {_MAX_ITEMS} byte counts, each from 1 to the "
                                f"{slab} B of the largest object")
+        tenant = clean_tenant(message.get("tenant"))  # a bad name is the default tenant, never a refusal
         base = self.buffer.data_ptr()
         objs: list[list[int]] = []
         try:
             for nbytes in sizes:
-                obj = self.memory.allocate_bytes(nbytes)  # evicts; never waits
+                obj = self.memory.allocate_bytes(nbytes, tenant=tenant)  # evicts (quota first); never waits
                 if obj is None:
                     self.counters.count("alloc_shortfalls")
                     break
@@ -526,7 +528,7 @@ class NodeServer:
                 if taken and self.lower:
                     obj.ref_up()  # the writer's, until the chunk is encoded for the lower tiers
                     try:
-                        self._to_lower.put_nowait((key, obj))
+                        self._to_lower.put_nowait((key, obj, self.memory.tenant_of(key) or DEFAULT_TENANT))
                     except queue.Full:
                         obj.ref_down()
                         self.counters.count("lower_dropped")
@@ -548,13 +550,17 @@ class NodeServer:
     async def _get(self, session: Session, message: dict[str, Any], span: Any) -> dict[str, Any]:
         keys = _keys(message)
         base = self.buffer.data_ptr()
-        found: list[Any] = [self.memory.get(key) for key in keys]  # each with a reference for this request
+        tenant = message.get("tenant")
+        tenant = clean_tenant(tenant) if tenant is not None else None
+        # each with a reference for this request
+        found: list[Any] = [self.memory.get(key, tenant=tenant) for key in keys]
         objs: list[Any] = []
         try:
             missing = [i for i, obj in enumerate(found) if obj is None]
             if missing and self.lower:
                 read = await asyncio.get_running_loop().run_in_executor(
-                    self._pool, lambda: [self.storage.read(Entry(keys[i], None, None, None), promote=True)
+                    self._pool, lambda: [self.storage.read(Entry(keys[i], None, None, None,
+                                                                 tenant or DEFAULT_TENANT), promote=True)
                                          for i in missing])
                 for i, hit in zip(missing, read):
                     if hit is not None and hit.obj is not None:
@@ -660,7 +666,7 @@ class NodeServer:
             item = self._to_lower.get()
             if item is None:
                 return
-            key, obj = item
+            key, obj, tenant = item
             try:
                 if "codec" in obj.meta:
                     blob = bytes(obj.view_bytes()[: obj.meta["encoded_len"]])
@@ -669,7 +675,7 @@ class NodeServer:
                                    wire.dtype_from_name(obj.meta["dtype"]), obj.meta.get("order"))
                     blob = payloads.encode(kv, self.codec, key=key, **self.codec_params)
                 for name in self.lower:
-                    if self.storage.put(name, key, payload=blob):
+                    if self.storage.put(name, key, payload=blob, tenant=tenant):
                         self.counters.count(f"lower.{name}.offered")
                     else:
                         self.counters.count(f"lower.{name}.dropped")
@@ -696,7 +702,7 @@ class NodeServer:
                 "entries": memory.entries, "capacity_bytes": memory.capacity_bytes, "used_bytes": memory.used_bytes,
                 "free_bytes": arena.free_bytes, "evictions": memory.evictions,
                 "allocation_failures": memory.allocation_failures, "pinned_entries": memory.pinned_objects,
-                "hits": memory.hits, "misses": memory.misses,
+                "hits": memory.hits, "misses": memory.misses, "tenants": memory.tenants,
                 "resident_bytes": self.segment.resident_bytes, "prefault": self.segment.prefault_state,
             },
             "clients": self.leases.counts(),
@@ -754,6 +760,14 @@ def _describe(obj: Any, key: str, nbytes: Any, meta: Any) -> None:
         raise ValueError(f"shape {shape} {meta['dtype']} order {order} does not describe a room of {obj.nbytes} B")
     obj.meta.clear()
     obj.meta.update(shape=shape, dtype=meta["dtype"], order=order)
+
+
+def _arena_tenants(pipeline: Pipeline | None) -> dict[str, Any]:
+    """The arena's tenant quotas: from the server pipeline's object tier (``[tiers.memory]``), if any."""
+    for spec in (pipeline.tiers.values() if pipeline is not None else ()):
+        if spec.info.holds == "objects" and hasattr(spec.config, "quotas"):
+            return {"quotas": spec.config.quotas, "tenant_labels": spec.config.tenant_labels}
+    return {}
 
 
 def _meta(obj: Any) -> dict[str, Any]:

@@ -66,6 +66,7 @@ def render(status: dict[str, Any]) -> str:
     requests = status.get("requests", {})
     for name, text in _REQUESTS:
         metric(f"{name}_total", "counter", text, requests.get(name, 0))
+    _render_tenants(lines, (status.get("memory") or {}).get("tenants") or {})
     tiers = status.get("tiers", {})
     healthy = status.get("health", {})
     if tiers:
@@ -80,6 +81,35 @@ def render(status: dict[str, Any]) -> str:
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     lines.append(f'flowkv_server_tier_stat{{tier="{tier}",stat="{key}"}} {value}')
     return "\n".join(lines) + "\n"
+
+
+# (status field, metric, type, help) of each tenant label of the arena (flowkv.tenants)
+_TENANT_METRICS = (
+    ("bytes", "tenant_bytes", "gauge", "Bytes of the arena each tenant holds (rooms being filled included)"),
+    ("entries", "tenant_entries", "gauge", "Chunks each tenant holds in the arena"),
+    ("quota", "tenant_quota_bytes", "gauge", "Each tenant's quota in the arena (0: none)"),
+    ("hits", "tenant_hits_total", "counter", "Chunks each tenant read from the arena"),
+    ("misses", "tenant_misses_total", "counter", "Chunks each tenant asked for and the arena did not hold"),
+    ("evictions", "tenant_evictions_total", "counter", "Chunks of each tenant evicted (room, or its own quota)"),
+    ("quota_refusals", "tenant_quota_refusals_total", "counter",
+     "Allocations refused: the tenant was at its quota with nothing of its own to evict"),
+)
+
+
+def _render_tenants(lines: list[str], tenants: dict[str, dict[str, Any]]) -> None:
+    """``flowkv_server_tenant_*{tenant="..."}``: one series per tenant label (a bounded set)."""
+    if not tenants:
+        return
+    for field, name, kind, text in _TENANT_METRICS:
+        lines.append(f"# HELP flowkv_server_{name} {text}")
+        lines.append(f"# TYPE flowkv_server_{name} {kind}")
+        for label, numbers in tenants.items():
+            lines.append(f'flowkv_server_{name}{{tenant="{label_value(label)}"}} {numbers.get(field, 0)}')
+
+
+def label_value(text: str) -> str:
+    """``text`` escaped for a Prometheus label value (backslash, quote, newline)."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def serve_metrics(server: Any, host: str, port: int) -> http.server.ThreadingHTTPServer:

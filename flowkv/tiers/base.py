@@ -85,6 +85,8 @@ class Tier(abc.ABC):
 
     #: What the tier holds: encoded payloads (the storage manager guards it and writes behind).
     holds: ClassVar[Literal["bytes", "objects"]] = "bytes"
+    #: Whether ``put`` takes ``(key, payload, tenant)`` entries (flowkv.tenants; else ``(key, payload)``).
+    tenants: ClassVar[bool] = False
     #: The tier's name from the pipeline file (``[tiers.NAME]``).
     name: str
 
@@ -167,6 +169,9 @@ class ObjectTier(abc.ABC):
     """
 
     holds: ClassVar[Literal["bytes", "objects"]] = "objects"
+    #: Whether the allocation, batch and get calls take ``tenant=`` (flowkv.tenants): the
+    #: storage manager passes it only to a tier that says so.
+    tenants: ClassVar[bool] = False
     #: The tier's name from the pipeline file (``[tiers.NAME]``).
     name: str
     #: Called with each key the tier evicted (set by the storage manager when observed).

@@ -56,6 +56,7 @@ import torch
 
 from flowkv import payload as payloads
 from flowkv.clock import MONOTONIC, Clock, Ticker
+from flowkv.tenants import DEFAULT_TENANT
 from flowkv.tiers import portal
 from flowkv.tiers.base import ObjectTier, Tier, TierObject
 from flowkv.tiers.health import GuardedTier, TierHealth
@@ -82,6 +83,8 @@ class Entry(NamedTuple):
     # server, which hosts many geometries): promoted payloads stay encoded.
     shape: tuple[int, ...] | None
     dtype: torch.dtype | None
+    # Whose request reads it (flowkv.tenants.tenant_of): a promotion lands as that tenant's entry.
+    tenant: str = DEFAULT_TENANT
 
 
 class Found(NamedTuple):
@@ -258,18 +261,22 @@ class StorageManager:
 
     # -- store ----------------------------------------------------------------
 
-    def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> TierObject | None:
-        """Room in the staging tier for a chunk's raw KV (evicting if needed); None when full."""
-        return self.memory.allocate(shape, dtype)
+    def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, *,
+                 tenant: str = DEFAULT_TENANT) -> TierObject | None:
+        """Room in the staging tier for a chunk of ``tenant``'s raw KV (evicting if needed); None when full."""
+        return self.memory.allocate(shape, dtype, **_for_tenant(self.memory, tenant))
 
-    def allocate_many(self, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> list[TierObject]:
+    def allocate_many(self, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, *,
+                      tenant: str = DEFAULT_TENANT) -> list[TierObject]:
         """Room in the staging tier for each chunk, in order, as many as fit (one call)."""
-        return self.memory.allocate_many(shapes, dtype)
+        return self.memory.allocate_many(shapes, dtype, **_for_tenant(self.memory, tenant))
 
-    def allocate_each(self, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> Iterator[TierObject]:
+    def allocate_each(self, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, *,
+                      tenant: str = DEFAULT_TENANT) -> Iterator[TierObject]:
         """Room in the staging tier for each chunk, one per ``next()``, ending when full
-        (``ObjectTier.allocate_each``: in-process tiers allocate as pulled, remote ones at once)."""
-        return self.memory.allocate_each(shapes, dtype)
+        (``ObjectTier.allocate_each``: in-process tiers allocate as pulled, remote ones at once).
+        The rooms are ``tenant``'s: its quota bounds them, and its entries they become."""
+        return self.memory.allocate_each(shapes, dtype, **_for_tenant(self.memory, tenant))
 
     def release_objects(self, found: Sequence[tuple[str, TierObject]]) -> None:
         """Drop the caller's reference on each ``(tier, obj)``: one call per tier."""
@@ -280,7 +287,7 @@ class StorageManager:
             self._objects[tier].release_objects(objs)
 
     def put(self, tier: str, key: str, *, obj: TierObject | None = None, kv: torch.Tensor | None = None,
-            payload: Any = None, later: bool = False) -> int:
+            payload: Any = None, later: bool = False, tenant: str = DEFAULT_TENANT) -> int:
         """Commit a chunk to ``tier``; the bytes it takes there (0: already held, or dropped).
 
         An object tier takes ``obj``: when ``payload`` (the chunk's encoding) is
@@ -290,14 +297,15 @@ class StorageManager:
         With ``later`` an object tier's commit waits for ``commit()`` (this
         answers 0; ``commit`` answers the bytes), so a store commits its chunks
         in one call per tier. A byte tier gets ``payload`` (or ``kv`` encoded
-        raw) through its write-behind queue and never waits.
+        raw) through its write-behind queue and never waits. The chunk is ``tenant``'s
+        (an object allocated for a tenant stays that tenant's in its own tier).
         """
         objects = self._objects.get(tier)
         if objects is None:
             blob = payload if payload is not None else payloads.encode(kv, "none", key=key)
             if isinstance(blob, memoryview):
                 blob = bytes(blob)
-            if not self._write_behind[tier].offer(key, blob):
+            if not self._write_behind[tier].offer(key, blob, tenant):
                 return 0
             self._emit("admit", tier, key)  # queued to be written: a write that fails later is a miss
             return len(blob)
@@ -308,9 +316,9 @@ class StorageManager:
             # (kept until the copy) or the raw KV.
             keep = payload if payload is not None and "codec" not in obj.meta and len(payload) <= obj.nbytes else None
             if later:
-                self._pending().setdefault(tier, []).append((key, obj, keep))
+                self._pending().setdefault(tier, []).append((key, obj, keep, tenant))
                 return 0
-            return self._commit_copies(tier, [(key, obj, keep)])
+            return self._commit_copies(tier, [(key, obj, keep, tenant)])
         if payload is not None and len(payload) <= obj.nbytes:
             # Overwrite the chunk's own pages (the raw KV is no longer needed; a
             # second allocation could evict this store's own earlier chunks when
@@ -323,14 +331,14 @@ class StorageManager:
         else:
             payload = None  # no codec, or an encoding no smaller than the raw chunk: keep it raw
         if later:
-            self._pending().setdefault(tier, []).append((key, obj, None))
+            self._pending().setdefault(tier, []).append((key, obj, None, tenant))
             return 0
         if not objects.put(key, obj):
             return 0  # another store of the same tokens got there first
         self._emit("admit", tier, key)
         return obj.nbytes
 
-    def _pending(self) -> dict[str, list[tuple[str, TierObject, Any]]]:
+    def _pending(self) -> dict[str, list[tuple[str, TierObject, Any, str]]]:
         pending = getattr(self._later, "puts", None)
         if pending is None:
             pending = self._later.puts = {}
@@ -346,33 +354,36 @@ class StorageManager:
             if tier != self.staging:
                 written[tier] = self._commit_copies(tier, batch)
                 continue
-            admitted = self._objects[tier].put_many([(key, obj) for key, obj, _ in batch])
+            admitted = self._objects[tier].put_many([(key, obj) for key, obj, _, _ in batch])
             written[tier] = 0
-            for (key, obj, _), ok in zip(batch, admitted):
+            for (key, obj, _, _), ok in zip(batch, admitted):
                 if ok:
                     written[tier] += obj.nbytes
                     self._emit("admit", tier, key)
         return written
 
-    def _commit_copies(self, tier: str, batch: Sequence[tuple[str, TierObject, Any]]) -> int:
+    def _commit_copies(self, tier: str, batch: Sequence[tuple[str, TierObject, Any, str]]) -> int:
         """Copy each chunk into object tier ``tier`` (one allocation call, one commit call)."""
         target = self._objects[tier]
-        held = target.contains_many([key for key, _, _ in batch])
+        held = target.contains_many([key for key, _, _, _ in batch])
         batch = [item for item, present in zip(batch, held) if not present]
         if not batch:
             return 0
+        # A store is one request's: one tenant for its batch.
+        tenant = _for_tenant(target, batch[0][3])
         raw = [item for item in batch if item[2] is None and "codec" not in item[1].meta]
         encoded = [item for item in batch if item[2] is not None or "codec" in item[1].meta]
         copies: list[tuple[str, TierObject]] = []
         try:
             if raw:
-                objs = target.allocate_many([tuple(obj.tensor.shape) for _, obj, _ in raw], raw[0][1].tensor.dtype)
-                for (key, obj, _), copy in zip(raw, objs):
+                objs = target.allocate_many([tuple(obj.tensor.shape) for _, obj, _, _ in raw],
+                                            raw[0][1].tensor.dtype, **tenant)
+                for (key, obj, _, _), copy in zip(raw, objs):
                     copy.tensor.copy_(obj.tensor)
                     copies.append((key, copy))
-            for key, obj, blob in encoded:
+            for key, obj, blob, _ in encoded:
                 data = blob if blob is not None else obj.view_bytes()[: obj.meta["encoded_len"]]
-                got = target.allocate_many([(len(data),)], torch.uint8)
+                got = target.allocate_many([(len(data),)], torch.uint8, **tenant)
                 if not got:
                     break
                 copy = got[0]
@@ -421,7 +432,8 @@ class StorageManager:
             if not todo:
                 break
             wanted = [entries[i] for i in todo]
-            objs = objects.get_many([(e.key, e.shape, e.dtype) for e in wanted])
+            objs = objects.get_many([(e.key, e.shape, e.dtype) for e in wanted],
+                                    **_for_tenant(objects, wanted[0].tenant))
             for i, obj in zip(todo, objs):
                 if obj is not None:
                     hits[i] = _as_found(name, obj)
@@ -457,10 +469,10 @@ class StorageManager:
         order = [entry.tier] if entry.tier in self.guarded else []
         order += [n for n in self.guarded if n not in order]
         for name in order:
-            blob = self._keyed(name, key, self._call(name, "get", [key], default=[None])[0])
+            blob = self._keyed(name, key, self._call(name, "get", [key], entry.tenant, default=[None])[0])
             if blob is None:
                 continue
-            if promote and self._promote(key, blob, entry.shape, entry.dtype):
+            if promote and self._promote(key, blob, entry.shape, entry.dtype, entry.tenant):
                 found = _found_in(self.staging, self.memory, entry)
                 if found is not None:
                     return found
@@ -576,7 +588,7 @@ class StorageManager:
         for name, group in by_tier.items():
             landed = landing[name]
             try:
-                future = portal.submit(self.guarded[name].get, [e.key for e in group])
+                future = portal.submit(self.guarded[name].get, [e.key for e in group], group[0].tenant)
             except Exception:  # no I/O thread (shutting down): nothing lands
                 log.warning("flowkv: prefetch from %s not started", name, exc_info=True)
                 self._prefetched(None, group, landed)
@@ -594,7 +606,8 @@ class StorageManager:
                 blobs = [None] * len(group)
             for entry, blob in zip(group, blobs):
                 blob = self._keyed(entry.tier, entry.key, blob)  # type: ignore[arg-type]
-                promoted = blob is not None and self._promote(entry.key, blob, entry.shape, entry.dtype)
+                promoted = blob is not None and self._promote(entry.key, blob, entry.shape, entry.dtype,
+                                                              entry.tenant)
                 with self._lock:  # a release either took its owner out already, or unpins after this
                     owners = self._prefetch_waiting.pop(entry.key, ())
                     if promoted and owners:
@@ -619,12 +632,14 @@ class StorageManager:
             keys = self._prefetch_owner.get(owner, ())
             return any(not self._prefetching[k].done() for k in keys if k in self._prefetching)
 
-    def _promote(self, key: str, blob: Any, shape: tuple[int, ...] | None, dtype: torch.dtype | None) -> bool:
+    def _promote(self, key: str, blob: Any, shape: tuple[int, ...] | None, dtype: torch.dtype | None,
+                 tenant: str = DEFAULT_TENANT) -> bool:
         """Copy a byte-tier payload into the staging tier; raw payloads are decoded on the way
         (unless ``shape`` is None: then every payload stays encoded, and its reader decodes it)."""
         memory = self.memory
         if memory.contains(key):
             return True
+        room = _for_tenant(memory, tenant)  # the promoted entry is the reader's
         try:
             header = payloads.read_header(blob, expect_key=key)
         except payloads.PayloadError as exc:
@@ -632,7 +647,7 @@ class StorageManager:
             log.warning("flowkv: refusing the payload read for %s: %s", key, exc)
             return False
         if header.codec == "none" and shape is not None:
-            obj = memory.allocate(shape, dtype)
+            obj = memory.allocate(shape, dtype, **room)
             if obj is None:
                 return False
             try:
@@ -643,7 +658,7 @@ class StorageManager:
                 return False
         else:
             try:
-                obj = memory.allocate_bytes(len(blob))
+                obj = memory.allocate_bytes(len(blob), **room)
             except ValueError:  # larger than a slab: leave it in its tier
                 return False
             if obj is None:
@@ -752,8 +767,13 @@ def _expire_pins_until_stopped(manager_ref: weakref.ref[StorageManager], ticker:
         ticker.stop()
 
 
+def _for_tenant(tier: Any, tenant: str) -> dict[str, str]:
+    """``tenant=`` for a tier whose calls take it (``tenants = True``); nothing for one that predates tenants."""
+    return {"tenant": tenant} if getattr(tier, "tenants", False) else {}
+
+
 def _found_in(name: str, objects: ObjectTier, entry: Entry) -> Found | None:
-    [obj] = objects.get_many([(entry.key, entry.shape, entry.dtype)])
+    [obj] = objects.get_many([(entry.key, entry.shape, entry.dtype)], **_for_tenant(objects, entry.tenant))
     return None if obj is None else _as_found(name, obj)
 
 

@@ -4,7 +4,8 @@ Layout under ``path``::
 
     path/
       3f/                          first hex byte of the key's digest (256 shards)
-        3f9a0c...e1.kv             one payload; name = blake2b-128(key) in hex
+        3f9a0c...e1.kv             one payload; name = blake2b-128(key) in hex (the default tenant's)
+        3f9a0c...e1.61636d65.kv    one of tenant "acme": its name's UTF-8 in hex, so a restart knows it
         .3f9a0c...e1.4711.a1b2.tmp a write in progress (removed on start)
 
 Keys are opaque strings (they may hold ``/``), so a file is named by a digest
@@ -50,6 +51,12 @@ TOML::
     capacity = "20GiB"
     admit_after = 2               # store a chunk only the second time it is offered
     fsync = false
+    quotas = { default = "2GiB", acme = "10GiB" }   # per tenant (flowkv.tenants)
+
+With ``quotas``, a write of a tenant at its quota evicts that tenant's own
+least recently used files first (and is dropped when it has none to give),
+and a full folder takes files of tenants over their quota (a quota lowered
+since the last start) before anyone else's; then plain LRU.
 """
 
 from __future__ import annotations
@@ -70,6 +77,7 @@ import attrs
 
 from flowkv.registry import tier
 from flowkv.sizes import format_size
+from flowkv.tenants import DEFAULT_TENANT, DEFAULT_TENANT_LABELS, TenantLedger, clean_tenant
 from flowkv.tiers.base import Tier, verify_payload
 
 __all__ = ["DiskTier", "DiskTierConfig"]
@@ -114,6 +122,10 @@ class DiskTierConfig:
     admit_after: int = attrs.field(default=1, validator=_positive_int)
     #: fsync each file and its folder before it counts as stored (survives power loss).
     fsync: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    #: Bytes each tenant may hold ({} = no quotas; "default" = every tenant not named): flowkv.tenants.
+    quotas: dict[str, int] = attrs.field(factory=dict, hash=False)
+    #: Tenants with their own metric label; later ones count under "default".
+    tenant_labels: int = DEFAULT_TENANT_LABELS
 
 
 def key_digest(key: str) -> str:
@@ -124,12 +136,27 @@ def key_digest(key: str) -> str:
 
 
 def _is_digest_name(name: str) -> bool:
-    stem = name[: -len(_SUFFIX)]
-    return (
-        name.endswith(_SUFFIX)
-        and len(stem) == 2 * _DIGEST_BYTES
-        and all(c in "0123456789abcdef" for c in stem)
-    )
+    return _parse_name(name) is not None
+
+
+def _parse_name(name: str) -> tuple[str, str] | None:
+    """(digest, tenant) of a payload file's name, or None when it is not one."""
+    if not name.endswith(_SUFFIX):
+        return None
+    digest, _, owner = name[: -len(_SUFFIX)].partition(".")
+    if len(digest) != 2 * _DIGEST_BYTES or not all(c in "0123456789abcdef" for c in digest):
+        return None
+    if not owner:
+        return digest, DEFAULT_TENANT
+    try:
+        tenant = bytes.fromhex(owner).decode("utf-8")
+    except ValueError:
+        return None
+    return (digest, tenant) if clean_tenant(tenant) == tenant and tenant != DEFAULT_TENANT else None
+
+
+def _file_name(digest: str, tenant: str) -> str:
+    return digest + _SUFFIX if tenant == DEFAULT_TENANT else f"{digest}.{tenant.encode('utf-8').hex()}{_SUFFIX}"
 
 
 @tier("disk", config=DiskTierConfig)
@@ -142,6 +169,8 @@ class DiskTier(Tier):
     A full filesystem lowers the effective capacity (see the module's docstring).
     ``clock`` (monotonic seconds) paces warnings and re-measuring; tests pass their own.
     """
+
+    tenants = True  # put takes (key, payload, tenant): the tenant is part of each file's name
 
     def __init__(
         self,
@@ -163,6 +192,10 @@ class DiskTier(Tier):
         self._warned_degraded = False  # that warning said writes are failing, and no recovery was logged since
         self._index: OrderedDict[str, int] = OrderedDict()  # digest -> bytes, least recent first
         self._bytes_used = 0  # sum of the index's sizes
+        # digest -> its tenant (entries indexed, and writes in flight): part of the file's name.
+        self._owner: dict[str, str] = {}
+        self._by_tenant: dict[str, OrderedDict[str, None]] = {}  # tenant -> its digests, least recent first
+        self._ledger = TenantLedger(config.quotas, labels=config.tenant_labels)
         self._reserved = 0  # bytes of writes in flight, already made room for
         self._writing: set[str] = set()  # digests being written now
         self._seen: OrderedDict[str, int] = OrderedDict()  # digest -> times offered (admission)
@@ -196,7 +229,9 @@ class DiskTier(Tier):
     async def exists(self, keys: list[str]) -> list[bool]:
         return [key_digest(key) in self._index for key in keys]
 
-    async def get(self, keys: list[str]) -> list[bytes | None]:
+    async def get(self, keys: list[str], tenant: str | None = None) -> list[bytes | None]:
+        """Payloads of ``keys``; hits and misses count for ``tenant`` (the reader; default: a hit's owner)."""
+        reader = clean_tenant(tenant) if tenant is not None else None
         if self.refused:
             self._counters["refused_calls"] += 1
             self._counters["misses"] += len(keys)
@@ -204,15 +239,14 @@ class DiskTier(Tier):
         digests = [key_digest(key) for key in keys]
         wanted = [d for d in dict.fromkeys(digests) if d in self._index]
         for digest in wanted:
-            self._index.move_to_end(digest)
+            self._touch(digest)
         named = dict(zip(digests, keys))
         found = await anyio.to_thread.run_sync(self._read_files, {d: named[d] for d in wanted}) if wanted else {}
         for digest, outcome in found.items():
             if isinstance(outcome, bytes):
                 continue
-            size = self._index.pop(digest, None)
-            if size is not None:
-                self._bytes_used -= size
+            self._unindex(digest, evicted=False)
+            self._owner.pop(digest, None)
             if outcome in self._counters:
                 self._counters[outcome] += 1
         results: list[bytes | None] = []
@@ -220,24 +254,29 @@ class DiskTier(Tier):
             blob = found.get(digest)
             if isinstance(blob, bytes):
                 self._counters["hits"] += 1
+                self._ledger.hit(reader or self._owner.get(digest, DEFAULT_TENANT))
                 results.append(blob)
             else:
                 self._counters["misses"] += 1
+                self._ledger.miss(reader or DEFAULT_TENANT)
                 results.append(None)
         return results
 
-    async def put(self, entries: list[tuple[str, bytes]]) -> None:
+    async def put(self, entries: list[tuple[str, bytes] | tuple[str, bytes, str]]) -> None:
+        """Write ``(key, payload)`` or ``(key, payload, tenant)`` entries (the default tenant's when unnamed)."""
         if self.refused:
             self._counters["refused_calls"] += 1
             return
         plan: list[tuple[str, bytes]] = []
-        for key, payload in entries:
+        quota_victims: list[str] = []
+        for key, payload, *named in entries:
+            tenant = clean_tenant(named[0]) if named else DEFAULT_TENANT
             if not isinstance(payload, (bytes, bytearray, memoryview)):
                 raise TypeError(f"disk tier {self.name!r}: payload for {key!r} is {type(payload).__name__}, not bytes")
             digest = key_digest(key)
             if digest in self._index:
                 # Same key, same payload: refresh its recency instead of rewriting.
-                self._index.move_to_end(digest)
+                self._touch(digest)
                 continue
             if digest in self._writing or not self._admit(digest):
                 continue
@@ -245,8 +284,14 @@ class DiskTier(Tier):
             if size > self.config.capacity:
                 self._counters["too_large"] += 1
                 continue
+            if not self._within_quota(tenant, size, quota_victims):
+                continue
             self._writing.add(digest)
+            self._owner[digest] = tenant
+            self._ledger.add(tenant, size, entries=0)  # in flight: counts towards its quota until written
             plan.append((digest, payload))
+        if quota_victims:
+            await anyio.to_thread.run_sync(self._remove_files, quota_victims)
         if not plan:
             return
         try:
@@ -266,8 +311,12 @@ class DiskTier(Tier):
             if victims:
                 await anyio.to_thread.run_sync(self._remove_files, victims)
         finally:
-            for digest, _ in plan:
+            for digest, payload in plan:
                 self._writing.discard(digest)
+                tenant = self._owner.get(digest, DEFAULT_TENANT)
+                self._ledger.remove(tenant, len(payload), entries=0)
+                if digest not in self._index:
+                    self._owner.pop(digest, None)  # not written: no file carries its name
 
     async def _write_plan(self, plan: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
         """Make room for and write ``plan``; index what was stored, return what failed for lack of space.
@@ -290,8 +339,7 @@ class DiskTier(Tier):
             self._reserved -= needed
         for (digest, payload), outcome in zip(fitting, outcomes):
             if outcome == "stored":
-                self._index[digest] = len(payload)
-                self._bytes_used += len(payload)
+                self._reindex(digest, len(payload), self._owner.get(digest, DEFAULT_TENANT))
                 self._counters["writes"] += 1
                 self._counters["written_bytes"] += len(payload)
             elif outcome == "no_space":
@@ -315,6 +363,7 @@ class DiskTier(Tier):
             "configured_capacity": self.config.capacity,
             "degraded": int(self._degraded),
             "refused_folder": int(self.refused is not None),
+            "tenants": self._ledger.report(),
         }
 
     # -- index and policy (event-loop thread) ------------------------------
@@ -332,15 +381,64 @@ class DiskTier(Tier):
         return False
 
     def _make_room(self, needed: int) -> list[str]:
-        """Take least recently used entries out of the index until ``needed`` fits."""
+        """Take entries out of the index until ``needed`` fits: tenants over their quota first, then LRU."""
         victims: list[str] = []
         while self._index and self._bytes_used + self._reserved + needed > self._capacity:
-            digest, size = self._index.popitem(last=False)
-            self._bytes_used -= size
-            self._counters["evictions"] += 1
-            self._counters["evicted_bytes"] += size
+            digest = None
+            if self._ledger.quotas:  # the over-quota tenants' own oldest (few tenants, many files)
+                over = [t for t in self._by_tenant if self._ledger.over_quota(t)]
+                digest = next(iter(self._by_tenant[over[0]])) if over else None
+            if digest is None:
+                digest = next(iter(self._index))
+            self._evict(digest)
             victims.append(digest)
         return victims
+
+    def _within_quota(self, tenant: str, size: int, victims: list[str]) -> bool:
+        """Evict ``tenant``'s own least recently used entries until ``size`` more fits its quota
+        (appending them to ``victims``); False, counted, when they do not suffice."""
+        while self._ledger.over_quota(tenant, size):
+            own = self._by_tenant.get(tenant)
+            if not own:
+                self._ledger.refused(tenant)
+                return False
+            victim = next(iter(own))
+            self._evict(victim)
+            victims.append(victim)
+        return True
+
+    def _evict(self, digest: str) -> None:
+        size = self._unindex(digest, evicted=True)
+        self._counters["evictions"] += 1
+        self._counters["evicted_bytes"] += size or 0
+
+    def _reindex(self, digest: str, size: int, tenant: str) -> None:
+        self._index[digest] = size
+        self._bytes_used += size
+        self._owner[digest] = tenant
+        self._by_tenant.setdefault(tenant, OrderedDict())[digest] = None
+        self._ledger.add(tenant, size)
+
+    def _unindex(self, digest: str, *, evicted: bool) -> int | None:
+        """Drop ``digest`` from the index (its owner stays until its file is removed); its size."""
+        size = self._index.pop(digest, None)
+        if size is None:
+            return None
+        self._bytes_used -= size
+        tenant = self._owner.get(digest, DEFAULT_TENANT)
+        own = self._by_tenant.get(tenant)
+        if own is not None:
+            own.pop(digest, None)
+            if not own:
+                del self._by_tenant[tenant]
+        self._ledger.remove(tenant, size, evicted=evicted)
+        return size
+
+    def _touch(self, digest: str) -> None:
+        self._index.move_to_end(digest)
+        own = self._by_tenant.get(self._owner.get(digest, DEFAULT_TENANT))
+        if own is not None and digest in own:
+            own.move_to_end(digest)
 
     # -- room on the filesystem (event-loop thread) --------------------------
 
@@ -426,7 +524,7 @@ class DiskTier(Tier):
         self._counters["capacity_shrinks"] += 1
 
     def _path(self, digest: str) -> Path:
-        return self.root / digest[:2] / (digest + _SUFFIX)
+        return self.root / digest[:2] / _file_name(digest, self._owner.get(digest, DEFAULT_TENANT))
 
     def _claim_folder(self) -> None:
         """Make the folder 0700, or check that an existing one is this user's (and tighten it)."""
@@ -458,12 +556,17 @@ class DiskTier(Tier):
             logger.warning("disk tier %r: cannot use %s (%s); it will miss", self.name, self.root, exc)
             return
         found.sort(key=lambda entry: entry[0])
-        for _, digest, size in found:
-            self._index[digest] = size
-            self._bytes_used += size
+        for _, name, size in found:
+            digest, tenant = _parse_name(name)  # type: ignore[misc]  # _scan kept only payload names
+            if digest in self._index:  # one key under two tenants' names (a crash between writes): keep one
+                continue
+            self._reindex(digest, size, tenant)
         self._fit_to_filesystem()
-        # A smaller capacity than last time (or than the filesystem holds): shed the oldest now.
+        # A smaller capacity than last time (or than the filesystem holds): shed the oldest now;
+        # a tenant over a quota lowered since: its own oldest.
         victims = self._make_room(0)
+        for tenant in list(self._by_tenant):
+            self._within_quota(tenant, 0, victims)
         if victims:
             self._remove_files(victims)
         logger.info(
@@ -499,7 +602,7 @@ class DiskTier(Tier):
                         if not entry.is_file(follow_symlinks=False):
                             continue  # a symlink, FIFO or device under an entry's name: never indexed
                         st = entry.stat(follow_symlinks=False)
-                        found.append((max(st.st_atime, st.st_mtime), name[: -len(_SUFFIX)], st.st_size))
+                        found.append((max(st.st_atime, st.st_mtime), name, st.st_size))
         return found
 
     # -- file I/O (worker threads) -----------------------------------------
@@ -577,7 +680,7 @@ class DiskTier(Tier):
         """As ``_write_file``, or ``"gone"`` when a shard folder made earlier no longer exists."""
         shard = digest[:2]
         folder = self.root / shard
-        final = folder / (digest + _SUFFIX)
+        final = self._path(digest)
         temp = folder / f".{digest}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
         try:
             if shard not in self._made_shards:
@@ -607,6 +710,8 @@ class DiskTier(Tier):
     def _remove_files(self, digests: list[str]) -> None:
         for digest in digests:
             self._unlink(self._path(digest))
+            if digest not in self._index and digest not in self._writing:
+                self._owner.pop(digest, None)
 
     def _unlink(self, path: Path) -> None:
         try:

@@ -17,6 +17,7 @@ without it::
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -89,8 +90,12 @@ class GuardedTier(Tier):
         result = await self._guarded("exists", self.tier.exists, keys, len(keys))
         return result if result is not None else [False] * len(keys)
 
-    async def get(self, keys: list[str]) -> list[bytes | None]:
-        result = await self._guarded("get", self.tier.get, keys, len(keys))
+    async def get(self, keys: list[str], tenant: str | None = None) -> list[bytes | None]:
+        """The tier's ``get``; a tier that keeps tenants (``tenants = True``) is told whose read it is."""
+        read = self.tier.get
+        if tenant is not None and getattr(self.tier, "tenants", False):
+            read = functools.partial(self.tier.get, tenant=tenant)
+        result = await self._guarded("get", read, keys, len(keys))
         return result if result is not None else [None] * len(keys)
 
     async def put(self, entries: list[tuple[str, bytes]]) -> None:

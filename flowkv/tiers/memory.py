@@ -8,6 +8,7 @@ its ``[tiers.NAME]`` table::
     capacity = "4GiB"      # the arena; each entry costs its bytes in 4 KiB pages
     pin_memory = true      # page-locked when CUDA is present (fast async copies)
     prefault = "background"  # make the arena's pages resident early: background|now|off
+    quotas = { default = "1GiB", acme = "8GiB" }   # per tenant (flowkv.tenants); default: unnamed ones
 
 ``open(slab_bytes=...)`` allocates the arena (`flowkv.memory.MemoryArena`)
 once the storage manager knows the largest object (one raw chunk and a
@@ -47,6 +48,7 @@ import torch
 
 from flowkv.memory import MemoryArena, MemoryObj
 from flowkv.registry import tier
+from flowkv.tenants import DEFAULT_TENANT, DEFAULT_TENANT_LABELS, TenantLedger, clean_tenant
 from flowkv.tiers.base import ObjectTier
 
 __all__ = ["MemoryTier", "MemoryTierConfig", "MemoryTierStats"]
@@ -63,6 +65,10 @@ class MemoryTierConfig:
     # Make the arena's pages resident before stores write them (flowkv/resident.py):
     # "background" (after start), "now" (before the engine starts) or "off".
     prefault: Literal["background", "now", "off"] = "background"
+    # Bytes each tenant may hold ({} = no quotas; "default" = every tenant not named): flowkv.tenants.
+    quotas: dict[str, int] = attrs.field(factory=dict, hash=False)
+    # Tenants with their own metric label; later ones count under "default".
+    tenant_labels: int = DEFAULT_TENANT_LABELS
 
 
 @attrs.frozen
@@ -85,6 +91,8 @@ class MemoryTierStats:
     hits: int
     #: `MemoryTier.get` calls that did not
     misses: int
+    #: per tenant label: bytes, entries, hits, misses, evictions, quota_refusals, quota (`TenantLedger.report`)
+    tenants: dict[str, dict[str, int]] = attrs.field(factory=dict)
 
 
 @tier("memory", config=MemoryTierConfig)
@@ -92,9 +100,16 @@ class MemoryTier(ObjectTier):
     """Keys (`flowkv.keys.CacheKey.to_str` strings) to `MemoryObj`s, in LRU order.
 
     Eviction takes the least recently used entry that is neither pinned nor
-    referenced by anyone but the tier. Thread-safe: one lock, held only for
-    bookkeeping, never across a tensor copy.
+    referenced by anyone but the tier. Each entry belongs to a tenant (the one
+    its room was allocated for): with ``quotas``, a tenant at its quota
+    evicts its own least recently used entries first, and a full arena takes
+    entries of tenants over their quota before anyone else's. Thread-safe:
+    one lock, held only for bookkeeping, never across a tensor copy, and an
+    allocation never waits (no room is an answer of None, for one tenant
+    without touching another's).
     """
+
+    tenants = True
 
     def __init__(self, *, name: str = "memory", config: MemoryTierConfig | None = None) -> None:
         self.name = name
@@ -115,11 +130,19 @@ class MemoryTier(ObjectTier):
         self._allocation_failures = 0
         self._hits = 0
         self._misses = 0
+        # Per tenant: bytes and entries held (rooms being filled count too), hits, misses, evictions.
+        self._ledger = TenantLedger(self.config.quotas, labels=self.config.tenant_labels)
+        self._tenant: dict[str, str] = {}  # key -> its tenant
+        self._by_tenant: dict[str, OrderedDict[str, None]] = {}  # tenant -> its keys, oldest first
+        # id(obj) -> (obj, tenant, bytes charged): rooms allocated and not yet put (or freed unput).
+        self._filling: dict[int, tuple[MemoryObj, str, int]] = {}
 
     @classmethod
-    def on_arena(cls, arena: MemoryArena, *, name: str = "memory") -> MemoryTier:
-        """A tier over an arena built by the caller (tests, benchmarks)."""
-        tier = cls(name=name, config=MemoryTierConfig(capacity=arena.capacity_bytes, pin_memory=arena.pinned))
+    def on_arena(cls, arena: MemoryArena, *, name: str = "memory", quotas: dict[str, int] | None = None,
+                 tenant_labels: int = DEFAULT_TENANT_LABELS) -> MemoryTier:
+        """A tier over an arena built by the caller (tests, benchmarks, the node server)."""
+        tier = cls(name=name, config=MemoryTierConfig(capacity=arena.capacity_bytes, pin_memory=arena.pinned,
+                                                      quotas=dict(quotas or {}), tenant_labels=tenant_labels))
         tier._arena = arena
         return tier
 
@@ -154,37 +177,74 @@ class MemoryTier(ObjectTier):
         with self._lock:
             return list(self._entries)
 
-    def get(self, key: str) -> MemoryObj | None:
+    def tenant_of(self, key: str) -> str | None:
+        """The tenant ``key``'s entry belongs to, or None when it is not held."""
+        with self._lock:
+            return self._tenant.get(key)
+
+    def get(self, key: str, *, tenant: str | None = None) -> MemoryObj | None:
         """The object under ``key`` with a reference taken for the caller (who must
-        `MemoryObj.ref_down` it), or ``None``. Marks the entry most recently used."""
+        `MemoryObj.ref_down` it), or ``None``. Marks the entry most recently used.
+        The hit or miss counts for ``tenant`` (the reader; default: the entry's own)."""
         with self._lock:
             obj = self._entries.get(key)
             if obj is None:
                 self._misses += 1
+                self._ledger.miss(clean_tenant(tenant))
                 return None
             self._entries.move_to_end(key)
+            owner = self._tenant[key]
+            self._by_tenant[owner].move_to_end(key)
             self._hits += 1
+            self._ledger.hit(clean_tenant(tenant) if tenant is not None else owner)
             obj.ref_up()
             return obj
 
+    def get_many(self, wanted, *, tenant: str | None = None) -> list[MemoryObj | None]:
+        """``get`` for each ``(key, shape, dtype)``, hits and misses counted for ``tenant``."""
+        return [self.get(key, tenant=tenant) for key, _, _ in wanted]
+
     # -- writes ----------------------------------------------------------
 
-    def put(self, key: str, obj: MemoryObj) -> bool:
+    def put(self, key: str, obj: MemoryObj, *, tenant: str | None = None) -> bool:
         """Hold ``obj`` under ``key``, taking the tier's own reference.
 
-        Returns False (and takes nothing) when ``key`` is already held. The
-        caller keeps its own reference and drops it when done.
+        The entry belongs to the tenant its room was allocated for (else
+        ``tenant``, else ``default``). Returns False (and takes nothing) when
+        ``key`` is already held, or when the entry would put its tenant over
+        its quota and nothing of that tenant's own can be evicted. The caller
+        keeps its own reference and drops it when done.
         """
         if not isinstance(key, str) or not key:
             raise ValueError(f"key must be a non-empty str, got {key!r}")
         if obj.arena is not self.arena:
             raise ValueError("MemoryObj belongs to another arena; allocate it from this tier")
-        with self._lock:
-            if key in self._entries:
-                return False
-            obj.ref_up()
-            self._entries[key] = obj
-            return True
+        evicted: list[str] = []
+        try:
+            with self._lock:
+                if key in self._entries:
+                    return False
+                filling = self._filling.pop(id(obj), None)
+                if filling is not None:
+                    _, charged_to, charged = filling
+                    self._ledger.remove(charged_to, charged, entries=0)
+                    tenant = charged_to
+                owner = clean_tenant(tenant) if tenant is not None else DEFAULT_TENANT
+                cost = obj.held_bytes  # after a codec gave pages back
+                while self._ledger.over_quota(owner, cost):
+                    victim = self._evict_first_locked(self._by_tenant.get(owner, ()))
+                    if victim is None:
+                        self._ledger.refused(owner)
+                        return False
+                    evicted.append(victim)
+                obj.ref_up()
+                self._entries[key] = obj
+                self._tenant[key] = owner
+                self._by_tenant.setdefault(owner, OrderedDict())[key] = None
+                self._ledger.add(owner, cost)
+                return True
+        finally:
+            self._notify_evicted(evicted)
 
     def remove(self, key: str) -> bool:
         """Drop ``key`` and any pins on it; False when it is not held.
@@ -192,11 +252,11 @@ class MemoryTier(ObjectTier):
         Readers that hold a reference keep a valid object until they drop it.
         """
         with self._lock:
-            obj = self._entries.pop(key, None)
+            obj = self._entries.get(key)
             if obj is None:
                 return False
             self._drop_pins_locked(key, obj)
-            obj.ref_down()
+            self._drop_entry_locked(key, evicted=False)
             return True
 
     # -- pins ------------------------------------------------------------
@@ -289,58 +349,122 @@ class MemoryTier(ObjectTier):
 
     # -- allocation ------------------------------------------------------
 
-    def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> MemoryObj | None:
-        """Allocate from the arena, evicting LRU entries if needed; ``None`` when
-        nothing evictable is left (every entry pinned or in use by a reader)."""
-        return self._allocate_evicting(lambda: self.arena.allocate(shape, dtype))
+    def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, *,
+                 tenant: str = DEFAULT_TENANT) -> MemoryObj | None:
+        """Allocate from the arena for ``tenant``, evicting LRU entries if needed; ``None`` when
+        nothing evictable is left (every entry pinned or in use by a reader), or when ``tenant``
+        is at its quota and none of its own entries can go."""
+        nbytes = math.prod(int(d) for d in shape) * dtype.itemsize
+        return self._allocate_evicting(lambda: self.arena.allocate(shape, dtype), nbytes, tenant)
 
-    def allocate_bytes(self, nbytes: int) -> MemoryObj | None:
+    def allocate_bytes(self, nbytes: int, *, tenant: str = DEFAULT_TENANT) -> MemoryObj | None:
         """`MemoryArena.allocate_bytes`, evicting like `allocate`."""
-        return self._allocate_evicting(lambda: self.arena.allocate_bytes(nbytes))
+        return self._allocate_evicting(lambda: self.arena.allocate_bytes(nbytes), nbytes, tenant)
 
-    def _allocate_evicting(self, allocate) -> MemoryObj | None:
-        obj = allocate()
-        if obj is not None:
-            return obj
+    def allocate_many(self, shapes, dtype, *, tenant: str = DEFAULT_TENANT) -> list[MemoryObj]:
+        """Rooms for ``shapes`` in order, for ``tenant``, as many as fit."""
+        objects: list[MemoryObj] = []
+        for shape in shapes:
+            obj = self.allocate(shape, dtype, tenant=tenant)
+            if obj is None:
+                break
+            objects.append(obj)
+        return objects
+
+    def allocate_each(self, shapes, dtype, *, tenant: str = DEFAULT_TENANT):
+        """Rooms for ``shapes``, for ``tenant``, one per ``next()`` (`ObjectTier.allocate_each`)."""
+        for shape in shapes:
+            obj = self.allocate(shape, dtype, tenant=tenant)
+            if obj is None:
+                return
+            yield obj
+
+    def _allocate_evicting(self, allocate, nbytes: int, tenant: str) -> MemoryObj | None:
+        tenant = clean_tenant(tenant)
         evicted: list[str] = []
         try:
             with self._lock:
-                while True:
-                    # Another thread may have freed pages since the first try.
-                    obj = allocate()
-                    if obj is not None:
-                        return obj
-                    victim = self._evict_one_locked()
+                self._sweep_filling_locked()
+                cost = self.arena.cost(nbytes)
+                # A tenant at its quota makes room from its own entries, whatever the arena has free.
+                while self._ledger.over_quota(tenant, cost):
+                    victim = self._evict_first_locked(self._by_tenant.get(tenant, ()))
                     if victim is None:
                         self._allocation_failures += 1
+                        self._ledger.refused(tenant)
                         return None
                     evicted.append(victim)
+            obj = allocate()
+            if obj is None:
+                with self._lock:
+                    while True:
+                        # Another thread may have freed pages since the first try.
+                        obj = allocate()
+                        if obj is not None:
+                            break
+                        victim = self._evict_for_room_locked()
+                        if victim is None:
+                            self._allocation_failures += 1
+                            return None
+                        evicted.append(victim)
+            with self._lock:
+                self._filling[id(obj)] = (obj, tenant, obj.held_bytes)
+                self._ledger.add(tenant, obj.held_bytes, entries=0)
+            return obj
         finally:
-            on_evict = self.on_evict
-            if evicted and on_evict is not None:  # outside the lock: an observer may call back in
-                for key in evicted:
-                    on_evict(key)
+            self._notify_evicted(evicted)
 
-    def _evict_one_locked(self) -> str | None:
-        victim = None
-        for key, obj in self._entries.items():
+    def _notify_evicted(self, evicted: list[str]) -> None:
+        on_evict = self.on_evict
+        if evicted and on_evict is not None:  # outside the lock: an observer may call back in
+            for key in evicted:
+                on_evict(key)
+
+    def _sweep_filling_locked(self) -> None:
+        """Uncharge rooms whose holder dropped them without a put (a store that stopped)."""
+        for ident in [i for i, (obj, _, _) in self._filling.items() if obj.freed]:
+            _, tenant, charged = self._filling.pop(ident)
+            self._ledger.remove(tenant, charged, entries=0)
+
+    def _evict_for_room_locked(self) -> str | None:
+        """The arena is full: entries of tenants over their quota go first, then plain LRU."""
+        if self._ledger.quotas:
+            # Few tenants, many entries: walk the over-quota tenants' own LRU lists, not the whole index.
+            for tenant in [t for t in self._by_tenant if self._ledger.over_quota(t)]:
+                victim = self._evict_first_locked(self._by_tenant[tenant])
+                if victim is not None:
+                    return victim
+        return self._evict_first_locked(self._entries)
+
+    def _evict_first_locked(self, keys) -> str | None:
+        """Evict the first of ``keys`` (oldest first) that nobody pins or reads; its key, or None."""
+        for key in keys:
+            obj = self._entries[key]
             # ref_count == 1 means the tier's is the only reference. It cannot
             # rise under our feet: new references come from get() (which needs
             # this lock) or from a holder, and a holder would make it >= 2.
             if obj.pin_count == 0 and obj.ref_count == 1:
-                victim = key
-                break
-        if victim is None:
-            return None
-        self._entries.pop(victim).ref_down()
-        self._evictions += 1
-        return victim
+                self._drop_entry_locked(key, evicted=True)
+                self._evictions += 1
+                return key
+        return None
+
+    def _drop_entry_locked(self, key: str, *, evicted: bool) -> None:
+        obj = self._entries.pop(key)
+        owner = self._tenant.pop(key)
+        keys = self._by_tenant[owner]
+        del keys[key]
+        if not keys:
+            del self._by_tenant[owner]
+        self._ledger.remove(owner, obj.held_bytes, evicted=evicted)
+        obj.ref_down()
 
     # -- counters --------------------------------------------------------
 
     def stats(self) -> MemoryTierStats:
         """A consistent snapshot of the counters."""
         with self._lock:
+            self._sweep_filling_locked()  # rooms given back unfilled count no more
             return MemoryTierStats(
                 entries=len(self._entries),
                 used_bytes=self.arena.used_bytes,
@@ -350,6 +474,7 @@ class MemoryTier(ObjectTier):
                 pinned_objects=len(self._pins),
                 hits=self._hits,
                 misses=self._misses,
+                tenants=self._ledger.report(),
             )
 
     def clear(self) -> None:
@@ -359,3 +484,7 @@ class MemoryTier(ObjectTier):
                 self._drop_pins_locked(key, obj)
                 obj.ref_down()
             self._entries.clear()
+            self._tenant.clear()
+            self._by_tenant.clear()
+            self._ledger.clear_holdings()
+            self._filling.clear()

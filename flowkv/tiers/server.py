@@ -49,6 +49,7 @@ import attrs
 import torch
 
 from flowkv.registry import tier
+from flowkv.tenants import DEFAULT_TENANT
 from flowkv.tiers import node_protocol as wire
 from flowkv.tiers.base import ObjectTier
 
@@ -133,6 +134,8 @@ class RemoteObj:
 @tier("server", config=ServerTierConfig)
 class ServerTier(ObjectTier):
     """Object tier backed by a node server (``flowkv server``) over its Unix socket and shared arena."""
+
+    tenants = True  # rooms and reads name their tenant on the wire: the server keeps and counts it
 
     def __init__(self, *, name: str = "node", config: ServerTierConfig) -> None:
         self.name = name
@@ -303,25 +306,28 @@ class ServerTier(ObjectTier):
 
     # -- allocation and commit -------------------------------------------------
 
-    def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> RemoteObj | None:
-        objs = self.allocate_many([shape], dtype)
+    def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, *,
+                 tenant: str = DEFAULT_TENANT) -> RemoteObj | None:
+        objs = self.allocate_many([shape], dtype, tenant=tenant)
         return objs[0] if objs else None
 
-    def allocate_bytes(self, nbytes: int) -> RemoteObj | None:
-        obj = self.allocate((nbytes,), torch.uint8)
+    def allocate_bytes(self, nbytes: int, *, tenant: str = DEFAULT_TENANT) -> RemoteObj | None:
+        obj = self.allocate((nbytes,), torch.uint8, tenant=tenant)
         if obj is not None:
             obj.meta["encoded_len"] = nbytes
         return obj
 
-    def allocate_many(self, shapes: Sequence[tuple[int, ...] | torch.Size], dtype: torch.dtype) -> list[RemoteObj]:
-        """Room for each shape in the server's arena, in order, as many as fit (one round trip)."""
+    def allocate_many(self, shapes: Sequence[tuple[int, ...] | torch.Size], dtype: torch.dtype, *,
+                      tenant: str = DEFAULT_TENANT) -> list[RemoteObj]:
+        """Room for each shape in the server's arena, in order, as many as fit (one round trip);
+        the rooms are ``tenant``'s (the server's quota for it bounds them)."""
         if not shapes:
             return []
         sizes = [math.prod(int(d) for d in shape) * dtype.itemsize for shape in shapes]
         if self._server_slab and max(sizes) > self._server_slab:
             raise ValueError(f"object of {max(sizes)} B does not fit the node server's largest object "
                              f"({self._server_slab} B); start it with a larger --slab")
-        reply = self._call("alloc", sizes=sizes)
+        reply = self._call("alloc", sizes=sizes, tenant=tenant)
         if reply is None:
             return []
         session, segment = reply["_session"], reply["_segment"]
@@ -334,9 +340,10 @@ class ServerTier(ObjectTier):
             self._counters["allocation_shortfalls"] += 1
         return objs
 
-    def allocate_each(self, shapes: Sequence[tuple[int, ...] | torch.Size], dtype: torch.dtype) -> Iterator[RemoteObj]:
+    def allocate_each(self, shapes: Sequence[tuple[int, ...] | torch.Size], dtype: torch.dtype, *,
+                      tenant: str = DEFAULT_TENANT) -> Iterator[RemoteObj]:
         """All the rooms at the first pull (one round trip); rooms never pulled go back."""
-        objs = self.allocate_many(shapes, dtype)
+        objs = self.allocate_many(shapes, dtype, tenant=tenant)
         given = 0
         try:
             for obj in objs:
@@ -388,7 +395,8 @@ class ServerTier(ObjectTier):
     def get(self, key: str) -> RemoteObj | None:
         return self.get_many([(key, None, None)])[0]
 
-    def get_many(self, wanted: Sequence[tuple[str, Any, Any]]) -> list[RemoteObj | None]:
+    def get_many(self, wanted: Sequence[tuple[str, Any, Any]], *,
+                 tenant: str | None = None) -> list[RemoteObj | None]:
         """Read references to each key's pages, in one round trip; None where the server has none.
 
         A raw entry is viewed with the shape, dtype and byte order it was
@@ -397,7 +405,8 @@ class ServerTier(ObjectTier):
         """
         if not wanted:
             return []
-        reply = self._call("get", keys=[key for key, _, _ in wanted])
+        fields = {"tenant": tenant} if tenant is not None else {}  # whose hits and misses these are
+        reply = self._call("get", keys=[key for key, _, _ in wanted], **fields)
         if reply is None:
             self._counters["read_misses"] += len(wanted)
             return [None] * len(wanted)

@@ -22,7 +22,10 @@ class WriteBehind:
     def __init__(self, tier: Any, capacity: int) -> None:
         self.tier = tier
         self.capacity = capacity
-        self._queue: collections.deque[tuple[str, bytes]] = collections.deque()
+        self._queue: collections.deque[tuple[str, bytes, str]] = collections.deque()
+        # A tier that keeps tenants (``tenants = True``, e.g. disk) gets (key, payload, tenant) entries.
+        inner = getattr(tier, "tier", tier)
+        self._with_tenant = bool(getattr(inner, "tenants", False))
         self._lock = threading.Lock()
         # Set while no drain task runs (changed under _lock): nothing queued or in flight.
         self._idle = threading.Event()
@@ -32,12 +35,12 @@ class WriteBehind:
         self.dropped = 0
         self.written = 0
 
-    def offer(self, key: str, blob: bytes) -> bool:
+    def offer(self, key: str, blob: bytes, tenant: str = "default") -> bool:
         with self._lock:
             if len(self._queue) + self._in_flight >= self.capacity:
                 self.dropped += 1
                 return False
-            self._queue.append((key, blob))
+            self._queue.append((key, blob, tenant))
             self.queued += 1
             start = self._idle.is_set()
             self._idle.clear()
@@ -54,7 +57,8 @@ class WriteBehind:
                     return
                 self._in_flight = len(batch)
             try:
-                await self.tier.put(batch)  # the guard counts failures and never raises
+                entries = batch if self._with_tenant else [(key, blob) for key, blob, _ in batch]
+                await self.tier.put(entries)  # the guard counts failures and never raises
                 done = True
             except Exception:
                 done = False

@@ -85,6 +85,16 @@ function drawInstances(instances) {
   }
 }
 
+// Per tenant, summed over the fleet (GET /tenants).
+function drawTenants(tenants) {
+  const rows = Object.entries(tenants).map(([name, t]) => el("tr", {"data-tenant": name},
+    el("td", {class: "mono"}, name), el("td", {class: "num"}, bytes(t.bytes)), el("td", {class: "num"}, t.entries),
+    el("td", {class: "num"}, t.hits + t.misses ? (100 * t.hits / (t.hits + t.misses)).toFixed(0) + "%" : "–"),
+    el("td", {class: "num"}, t.hits), el("td", {class: "num"}, t.misses), el("td", {class: "num"}, t.evictions)));
+  if (!rows.length) rows.push(el("tr", {}, el("td", {colspan: 7, class: "muted"}, "no tenant has stored anything yet")));
+  document.querySelector("#tenants tbody").replaceChildren(...rows);
+}
+
 function drawLatency(instances) {
   const rows = [];
   for (const i of instances) {
@@ -151,9 +161,10 @@ function drawEvents(events) {
 
 async function refresh() {
   try {
-    const [instances, history, events] = await Promise.all(
-      [getJSON("/instances"), getJSON("/api/history"), getJSON("/api/events?limit=40")]);
+    const [instances, history, events, tenants] = await Promise.all(
+      [getJSON("/instances"), getJSON("/api/history"), getJSON("/api/events?limit=40"), getJSON("/tenants")]);
     drawInstances(instances);
+    drawTenants(tenants);
     drawLatency(instances);
     drawHitRate(history);
     drawEvents(events);

@@ -19,6 +19,13 @@ latency observations, and gauges. vLLM ships it to its logger process, where
 | ``vllm:flowkv_{lookup,store,retrieve}_seconds`` | histogram | |
 | ``vllm:flowkv_pinned_objects`` | gauge | |
 | ``vllm:flowkv_tier_healthy`` | gauge | ``tier`` (1 healthy, 0 skipped) |
+| ``vllm:flowkv_tenant_{hits,misses,evictions}_total`` | counter | ``tier``, ``tenant`` (chunks read, not found, evicted) |
+| ``vllm:flowkv_tenant_{bytes,entries,quota_bytes}`` | gauge | ``tier``, ``tenant`` |
+
+The ``tenant`` label is a request's tenant (``flowkv.tag.tenant``, else
+``cache_salt``, else ``default``); a tier gives its own label to the
+tenants its quotas name and to the first ``tenant_labels`` others (16),
+and counts the rest under ``default``, so the label set stays bounded.
 
 A request's lookup counts once: ``op="lookup"`` and its prompt tokens when
 first asked; should the scheduler ask again (a preemption, a miss stored
@@ -51,7 +58,28 @@ def snapshot(stats: dict[str, Any]) -> dict[str, Any]:
         gauges[f"tier.{tier}.healthy"] = float(numbers.get("healthy", 1))
         if "pinned_objects" in numbers:
             gauges["pinned_objects"] = float(numbers["pinned_objects"])
+        for label, tenant in (numbers.get("tenants") or {}).items():
+            for what in _TENANT_COUNTERS:
+                flat[_tenant_key(tier, label, what)] = float(tenant.get(what, 0))
+            for what in _TENANT_GAUGES:
+                gauges[_tenant_key(tier, label, what)] = float(tenant.get(what, 0))
     return {"counters": flat, "gauges": gauges}
+
+
+# Per-tenant numbers of a tier (flowkv.tenants.TenantLedger.report): counters and gauges.
+_TENANT_COUNTERS = ("hits", "misses", "evictions")
+_TENANT_GAUGES = ("bytes", "entries", "quota")
+# Joins tier, tenant label and field in a stats key: no tier name or tenant (printable) holds it.
+_SEP = "\x00"
+
+
+def _tenant_key(tier: str, label: str, what: str) -> str:
+    return _SEP.join(("tenant", tier, label, what))
+
+
+def _tenant_parts(key: str) -> tuple[str, str, str] | None:
+    parts = key.split(_SEP)
+    return (parts[1], parts[2], parts[3]) if len(parts) == 4 and parts[0] == "tenant" else None
 
 
 @dataclass
@@ -86,7 +114,8 @@ class FlowKVStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         counters = self.data["counters"]
-        out: dict[str, int | float] = {k: v for k, v in counters.items() if not k.startswith("tier.")}
+        out: dict[str, int | float] = {k: v for k, v in counters.items()
+                                       if not k.startswith("tier.") and _tenant_parts(k) is None}
         requested = counters.get("lookup_requested_tokens", 0.0)
         if requested:
             out["hit_rate"] = round(counters.get("lookup_hit_tokens", 0.0) / requested, 4)
@@ -128,6 +157,17 @@ class FlowKVPromMetrics(KVConnectorPromMetrics):
         self.pinned = gauge("pinned_objects", "Memory-tier entries pinned by lookups")
         self.healthy = gauge("tier_healthy", "1 when the tier is used, 0 while it is skipped after failures",
                              ("tier",))
+        self.tenant_counters = {
+            what: counter(f"tenant_{what}", f"Chunks of each tenant {text}, per tier", ("tier", "tenant"))
+            for what, text in (("hits", "read from the tier"), ("misses", "asked for and not found"),
+                               ("evictions", "evicted (for room, or by its own quota)"))
+        }
+        self.tenant_gauges = {
+            what: gauge(name, text, ("tier", "tenant"))
+            for what, name, text in (("bytes", "tenant_bytes", "Bytes each tenant holds in each tier"),
+                                     ("entries", "tenant_entries", "Entries each tenant holds in each tier"),
+                                     ("quota", "tenant_quota_bytes", "Each tenant's quota in each tier (0: none)"))
+        }
         self.latency = {
             kind: self._histogram_cls(name=f"vllm:flowkv_{kind}_seconds",
                                       documentation=f"Time of one flowkv {kind}", labelnames=labels,
@@ -150,6 +190,9 @@ class FlowKVPromMetrics(KVConnectorPromMetrics):
             if counters.get(key):
                 metric.labels(*base).inc(counters[key])
         for key, value in counters.items():
+            tenant = _tenant_parts(key)
+            if tenant is not None and value > 0 and tenant[2] in self.tenant_counters:
+                self.tenant_counters[tenant[2]].labels(*base, tenant[0], tenant[1]).inc(value)
             if not key.startswith("tier.") or value <= 0:
                 continue
             _, tier, what = key.split(".", 2)
@@ -165,6 +208,8 @@ class FlowKVPromMetrics(KVConnectorPromMetrics):
                 self.pinned.labels(*base).set(value)
             elif key.startswith("tier.") and key.endswith(".healthy"):
                 self.healthy.labels(*base, key.split(".")[1]).set(value)
+            elif (tenant := _tenant_parts(key)) is not None and tenant[2] in self.tenant_gauges:
+                self.tenant_gauges[tenant[2]].labels(*base, tenant[0], tenant[1]).set(value)
         for kind, values in transfer_stats_data.get("latency_ms", {}).items():
             histogram = self.latency.get(kind)
             if histogram is not None:
