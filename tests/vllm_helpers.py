@@ -225,10 +225,13 @@ def wrong_kv(chunks: Iterator[Chunk], *, ctx) -> Iterator[Chunk]:
     """Hand ``scatter`` wrong KV for requests tagged ``test_wrong_kv``: the canary of every test that
     compares greedy tokens after a hit (such a test proves something only if wrong KV changes them).
 
-    ``shift``: each chunk's blocks in the wrong order (rolled by one block, as an off-by-one-block
-    slot mapping would place them). ``stale``: each chunk gets the next chunk's KV (another
-    document's bytes at these positions, as a mis-keyed entry would give); the last chunk keeps its
-    own. The stored entries are never touched (new tensors). Requests without the tag pass untouched.
+    ``shift``: each chunk's blocks one block late, as an off-by-one-block slot mapping would write
+    them: a block holds the KV of the block before it, the first keeps its own, the last one's is
+    lost. (Blocks merely swapped would change nothing: the tokens after a chunk attend to its KV
+    as a set, positions being in the rotated keys, not in the slots.) ``stale``: each chunk gets the
+    next chunk's KV (another document's bytes at these positions, as a mis-keyed entry would give);
+    the last chunk keeps its own. The stored entries are never touched (new tensors). Requests
+    without the tag pass untouched.
 
     TOML::
 
@@ -246,7 +249,9 @@ def wrong_kv(chunks: Iterator[Chunk], *, ctx) -> Iterator[Chunk]:
             yield chunk
             continue
         if mode == "shift":
-            chunk.kv = torch.roll(chunk.kv, shifts=BLOCK_SIZE, dims=2)
+            late = chunk.kv.clone()
+            late[:, :, BLOCK_SIZE:] = chunk.kv[:, :, :-BLOCK_SIZE]
+            chunk.kv = late
             yield chunk
         elif mode == "stale":
             held.append(chunk)
