@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from flowkv.accounting import Counters
     from flowkv.kernels import KVGeometry
     from flowkv.keys import CacheKey, ChunkKeys
+    from flowkv.pipeline_model import BlendSpec
     from flowkv.tiers.chain import StorageManager
 
 
@@ -81,6 +82,9 @@ class Chunk:
     tier: str | None = None  # where lookup found it / where put stored it
     # Layers moved so far (layerwise runs); a chunk counts only once all are.
     layers_done: int = 0
+    # Segment keys (the `segment` stage): where the segment holding this chunk begins.
+    # chunk-hash then keys it by that segment's tokens alone; None = the prefix chain.
+    segment_start: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -103,13 +107,18 @@ class Services:
     keys: ChunkKeys  # chunk keys: keys.of(tokens, tags, spans)
     storage: StorageManager  # the ordered tiers: find, read, allocate, put, pin, prefetch
     counters: Counters  # counters.count(name, n): shown in stats() and the vLLM metrics
+    blend: BlendSpec | None = None  # the pipeline's [blend] table (separator, ratio), None without one
 
     def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
         """The raw KV shape of a chunk of ``num_tokens`` tokens."""
         return self.geometry.chunk_shape(num_tokens)
 
-    def chunk_keys(self, request: Request, spans: Sequence[tuple[int, int]] | None = None) -> list[CacheKey]:
-        """Keys of ``request``'s chunks (every ``chunk_size`` tokens, or the given ``spans``)."""
+    def chunk_keys(self, request: Request, spans: Sequence[tuple[int, int]] | None = None,
+                   segment_starts: Sequence[int] | None = None) -> list[CacheKey]:
+        """Keys of ``request``'s chunks (every ``chunk_size`` tokens, or the given ``spans``);
+        segment keys when ``segment_starts`` says where each span's segment begins."""
+        if segment_starts is not None:
+            return self.keys.of(request.tokens, request.tags, spans, segment_starts=segment_starts)
         return self.keys.of(request.tokens, request.tags, spans, hashes=request.chunk_hashes)
 
     def count(self, name: str, n: float = 1) -> None:

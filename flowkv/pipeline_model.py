@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from flowkv.registry import StageInfo, TierInfo
 
 __all__ = [
+    "BlendSpec",
     "ControllerSpec",
     "Diagnostic",
     "LayerwiseSpec",
@@ -151,6 +152,21 @@ class QualitySpec:
     record: str | None = None  # path to the quality record JSON
 
 
+@attrs.frozen(kw_only=True)
+class BlendSpec:
+    """``[blend]``: documents reused wherever they sit in a prompt (CacheBlend).
+
+    A pipeline with this table blends: the ``segment`` stage cuts requests
+    after each ``separator`` and keys each segment by its own tokens. Checked
+    by the loader (``separator`` non-empty token ids, ``recompute_ratio`` in
+    0..1, ``check_layers`` non-negative layer indices).
+    """
+
+    separator: list[int]  # token ids that close a document (e.g. the ids of "\n\n")
+    recompute_ratio: float = 0.15  # share of reused tokens recomputed: 0 = plain concatenation, 1 = all
+    check_layers: list[int] = attrs.Factory(lambda: [1])  # layers where deviating tokens are selected
+
+
 @attrs.frozen
 class Pipeline:
     """A loaded, checked pipeline set."""
@@ -167,6 +183,7 @@ class Pipeline:
     vllm: VllmSpec
     quality: QualitySpec = QualitySpec()
     controller: ControllerSpec = ControllerSpec()
+    blend: BlendSpec | None = None  # [blend]; None: no blending
 
     @property
     def chunk_size(self) -> int:

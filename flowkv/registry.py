@@ -25,6 +25,8 @@ import attrs
 
 ENTRY_POINT_GROUP = "flowkv.stages"
 PIPELINE_KINDS = ("store", "retrieve", "lookup")
+# Top-level pipeline tables a stage may declare it reads (``@stage(reads=...)``).
+READABLE_TABLES = ("blend",)
 
 # Built-in stages: name -> "module:attribute", imported lazily.
 BUILTIN_STAGES: dict[str, str] = {
@@ -40,6 +42,7 @@ BUILTIN_STAGES: dict[str, str] = {
     "scatter": "flowkv.stages.transfer:scatter",
     "pass-through": "flowkv.stages.basic:pass_through",
     "take": "flowkv.stages.basic:take",
+    "segment": "flowkv.stages.chunking:segment",
 }
 
 # Built-in tier kinds: name -> "module:attribute", imported lazily.
@@ -82,6 +85,9 @@ class StageInfo:
     origin: str  # "module.qualname (file:line)"
     # Layerwise pipelines run this stage once per layer (ctx.layer set), the others once.
     per_layer: bool = False
+    # Top-level tables of the pipeline file it reads through ctx.services (e.g. "blend");
+    # the loader refuses a pipeline that uses the stage without them.
+    reads: frozenset[str] = frozenset()
 
     def make_config(self, **settings: Any) -> Any:
         return self.config_cls(**settings)
@@ -153,6 +159,7 @@ def stage(
     gives: Iterable[str] = (),
     config: type | None = None,
     per_layer: bool = False,
+    reads: Iterable[str] = (),
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declare a generator function as a flowkv stage.
 
@@ -161,6 +168,9 @@ def stage(
     is an attrs class of its settings, else its keyword-only parameters are.
     ``per_layer`` stages run once per attention layer in layerwise pipelines
     (``ctx.layer`` says which); the stages before and after them run once.
+    ``reads`` names top-level tables of the pipeline file the stage takes
+    settings from (``"blend"``: ``ctx.services.blend``); the loader refuses a
+    pipeline that uses the stage without them.
     """
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -171,13 +181,12 @@ def stage(
                 "(it yields items)",
                 kind="misuse",
             )
-        bad = set(kinds) - set(PIPELINE_KINDS)
-        if bad:
-            raise RegistryError(
-                f"stage '{name}' ({where}): unknown pipeline kind(s) {sorted(bad)}; "
-                f"use {list(PIPELINE_KINDS)}",
-                kind="misuse",
-            )
+        for names, allowed, what in ((kinds, PIPELINE_KINDS, "kinds= names unknown pipeline kind(s)"),
+                                     (reads, READABLE_TABLES, "reads= names unknown table(s)")):
+            bad = set(names) - set(allowed)
+            if bad:
+                raise RegistryError(f"stage '{name}' ({where}): {what} {sorted(bad)}; use {list(allowed)}",
+                                    kind="misuse")
         if config is not None and not attrs.has(config):
             raise RegistryError(
                 f"stage '{name}' ({where}): config= must be an attrs class", kind="misuse"
@@ -193,6 +202,7 @@ def stage(
             takes_ctx="ctx" in params,
             origin=f"{func.__module__}.{func.__qualname__} ({where})",
             per_layer=per_layer,
+            reads=frozenset(reads),
         )
         func.__flowkv_stage__ = info  # type: ignore[attr-defined]
         return func
