@@ -1,0 +1,174 @@
+"""Single tokens inside vLLM's packed CPU KV blocks, through a table the cache-write op draws.
+
+vLLM's CPU backend keeps one tensor per layer, ``(num_blocks, num_kv_heads,
+block_size, 2 * head_size)``, but a row of it is not one token: for each
+block and head the block's keys come first, then its values, each packed the
+way the attention kernel of the ISA in use reads them::
+
+    one (block, head) of a layer, block_size * 2 * head_size elements
+    ├── keys:   block_size * head_size   element i holds key (token t, channel d) = KEY_TABLE[i]
+    └── values: block_size * head_size   element i holds value (t, d)             = VALUE_TABLE[i]
+
+    seen here (vLLM 0.32): vec/vec16 keys dimension-major (d, t), values token-major (t, d);
+                           amx keys in token pairs of 2 channels, values in channel pairs of 2 tokens
+
+Rather than re-deriving each ISA's packing (and silently going wrong when
+vLLM changes it), `PackedBlockLayout.draw` asks the engine's own cache-write
+op: it writes index-coded keys and values into a small scratch cache of the
+same geometry and reads back where each (token, channel) landed. The op is
+passed in (kernels never import vLLM): any callable with the signature of
+vLLM's ``cpu_attn_reshape_and_cache(key, value, key_cache, value_cache,
+slot_mapping, isa)`` where ``key_cache`` / ``value_cache`` are the two halves
+of ``layer.view(blocks, heads, 2 * block_size, head_size)`` along dim 2,
+as ``do_kv_cache_update`` hands them.
+
+Then `read_tokens` gathers any tokens' keys and values (``(tokens, heads,
+head_size)``, exact), `write_tokens` scatters them through the table, and
+`unpack` / `pack` turn a whole block's packed keys into ``(..., block_size,
+head_size)`` and back, for code that needs true key channels (lossy codecs).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import attrs
+import torch
+
+__all__ = ["CacheWriteOp", "PackedBlockLayout", "PackingError"]
+
+#: ``op(key, value, key_cache, value_cache, slot_mapping, isa)``, as vLLM's ``cpu_attn_reshape_and_cache``
+CacheWriteOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str], None]
+
+# Codes are written one base-256 digit at a time: every integer 0..255 is exact
+# in bf16, fp16 and fp32, so no digit is rounded whatever the cache dtype.
+_DIGIT = 256
+# Scratch geometry: two blocks and two heads, enough to see that every block
+# and head is packed alike and that the op keeps them apart.
+_SCRATCH_BLOCKS = 2
+_SCRATCH_HEADS = 2
+
+
+class PackingError(RuntimeError):
+    """The cache-write op does not pack blocks the way this module can read them."""
+
+
+@attrs.frozen(eq=False)
+class PackedBlockLayout:
+    """Where every token's key and value channels sit inside one (block, head) of the cache."""
+
+    isa: str
+    block_size: int
+    head_size: int
+    dtype: torch.dtype
+    # (block_size, head_size) int64: element of the (block, head)'s key region holding key (t, d)
+    key_offsets: torch.Tensor
+    # (block_size, head_size) int64: element of its value region holding value (t, d)
+    value_offsets: torch.Tensor
+
+    # -- drawing the table --------------------------------------------------------------
+
+    @classmethod
+    def draw(cls, op: CacheWriteOp, *, isa: str, block_size: int, head_size: int,
+             dtype: torch.dtype) -> PackedBlockLayout:
+        """The layout ``op`` packs blocks in, found by writing index-coded K/V through it.
+
+        Raises `PackingError` if some element of a block is never written, if
+        the op mixes heads or blocks, or if two blocks or heads are packed
+        differently; the op's own error if it refuses the ISA or geometry.
+        """
+        region = block_size * head_size
+        # Token t channel d is coded t * head_size + d, written one digit per pass.
+        code = torch.arange(region, dtype=torch.int64).view(block_size, head_size)
+        digits = max(1, math.ceil(math.log(region, _DIGIT)))
+        found = [torch.zeros(_SCRATCH_BLOCKS, _SCRATCH_HEADS, region, dtype=torch.int64) for _ in range(2)]
+        slots = torch.arange(_SCRATCH_BLOCKS * block_size, dtype=torch.int64)
+        for place in range(digits):
+            digit = (code // _DIGIT**place) % _DIGIT
+            tokens = digit.repeat(_SCRATCH_BLOCKS, 1).unsqueeze(1).expand(-1, _SCRATCH_HEADS, -1)
+            keys_values = _write_scratch(op, isa, block_size, head_size, dtype, slots, tokens.to(dtype))
+            for kind in range(2):
+                written = keys_values[:, :, kind]
+                if bool((written < 0).any()):
+                    raise PackingError(f"{isa}: the cache-write op left elements of a block unwritten "
+                                       f"(block_size {block_size}, head_size {head_size}, {dtype})")
+                found[kind] += written.to(torch.int64) * _DIGIT**place
+        # Each (block, head) tagged by its own number: the op must keep them apart.
+        tag = torch.arange(_SCRATCH_BLOCKS * _SCRATCH_HEADS, dtype=torch.float32).view(_SCRATCH_BLOCKS, 1,
+                                                                                        _SCRATCH_HEADS, 1)
+        tags = tag.expand(-1, block_size, -1, head_size).reshape(-1, _SCRATCH_HEADS, head_size)
+        tagged = _write_scratch(op, isa, block_size, head_size, dtype, slots, tags.to(dtype))
+        expected = tag.view(_SCRATCH_BLOCKS, _SCRATCH_HEADS, 1, 1).to(dtype).expand_as(tagged)
+        if not torch.equal(tagged, expected):
+            raise PackingError(f"{isa}: the cache-write op writes a token outside its own block and head")
+        offsets = []
+        for kind, name in ((0, "keys"), (1, "values")):
+            table = found[kind]
+            if not bool((table == table[:1, :1]).all()):
+                raise PackingError(f"{isa}: {name} of different blocks or heads are packed differently")
+            table = table[0, 0]
+            if not torch.equal(torch.sort(table).values, torch.arange(region)):
+                raise PackingError(f"{isa}: {name} of a block are not a permutation of its tokens' channels")
+            inverse = torch.empty_like(table)
+            inverse[table] = torch.arange(region)
+            offsets.append(inverse.view(block_size, head_size))
+        return cls(isa=isa, block_size=block_size, head_size=head_size, dtype=dtype,
+                   key_offsets=offsets[0], value_offsets=offsets[1])
+
+    # -- single tokens ----------------------------------------------------------------
+
+    def regions(self, layer: torch.Tensor) -> torch.Tensor:
+        """``layer`` as ``(num_blocks, num_kv_heads, 2, block_size * head_size)``: keys then values."""
+        num_blocks, num_heads, block_size, width = layer.shape
+        if block_size != self.block_size or width != 2 * self.head_size:
+            raise ValueError(f"layer of shape {tuple(layer.shape)} is not of this layout (block_size "
+                             f"{self.block_size}, 2 * head_size {2 * self.head_size})")
+        return layer.view(num_blocks, num_heads, 2, block_size * self.head_size)
+
+    def _index(self, layer: torch.Tensor, slots: torch.Tensor, kind: int):
+        regions = self.regions(layer)
+        slots = slots.to(torch.int64)
+        blocks = (slots // self.block_size)[:, None, None]
+        heads = torch.arange(regions.shape[1])[None, :, None]
+        table = self.key_offsets if kind == 0 else self.value_offsets
+        return regions[:, :, kind], (blocks, heads, table[slots % self.block_size][:, None, :])
+
+    def read_tokens(self, layer: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of the tokens at ``slots``, each ``(len(slots), num_kv_heads, head_size)``."""
+        out = []
+        for kind in (0, 1):
+            region, index = self._index(layer, slots, kind)
+            out.append(region[index])
+        return out[0], out[1]
+
+    def write_tokens(self, layer: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
+                     values: torch.Tensor) -> None:
+        """Put ``keys`` / ``values`` ``(len(slots), num_kv_heads, head_size)`` at ``slots``, through the table."""
+        for kind, data in ((0, keys), (1, values)):
+            region, index = self._index(layer, slots, kind)
+            region[index] = data.to(layer.dtype)
+
+    # -- whole blocks ---------------------------------------------------------------
+
+    def unpack(self, packed: torch.Tensor, kind: int) -> torch.Tensor:
+        """``(..., block_size * head_size)`` packed keys (kind 0) or values (1) as ``(..., block_size, head_size)``."""
+        table = self.key_offsets if kind == 0 else self.value_offsets
+        return packed[..., table]
+
+    def pack(self, tokens: torch.Tensor, kind: int) -> torch.Tensor:
+        """The inverse of `unpack`: ``(..., block_size, head_size)`` into the packed order."""
+        table = self.key_offsets if kind == 0 else self.value_offsets
+        packed = tokens.new_empty((*tokens.shape[:-2], self.block_size * self.head_size))
+        packed[..., table.reshape(-1)] = tokens.reshape(*tokens.shape[:-2], -1)
+        return packed
+
+
+def _write_scratch(op: CacheWriteOp, isa: str, block_size: int, head_size: int, dtype: torch.dtype,
+                   slots: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Write ``tokens`` as both keys and values into a fresh scratch cache filled with -1;
+    answer it as ``(blocks, heads, 2, block_size * head_size)``."""
+    cache = torch.full((_SCRATCH_BLOCKS, _SCRATCH_HEADS, block_size, 2 * head_size), -1, dtype=dtype)
+    key_cache, value_cache = cache.view(_SCRATCH_BLOCKS, _SCRATCH_HEADS, 2 * block_size, head_size).chunk(2, dim=2)
+    op(tokens.contiguous(), tokens.contiguous(), key_cache, value_cache, slots, isa)
+    return cache.view(_SCRATCH_BLOCKS, _SCRATCH_HEADS, 2, block_size * head_size)
