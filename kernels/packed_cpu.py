@@ -66,6 +66,12 @@ class PackedBlockLayout:
     key_offsets: torch.Tensor
     # (block_size, head_size) int64: element of its value region holding value (t, d)
     value_offsets: torch.Tensor
+    # Per kind, the table as a strided view when it is one (every packing seen so far is):
+    # ((token groups, tokens per group, channel groups, channels per group), their strides).
+    _views: tuple = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "_views", (_as_strides(self.key_offsets), _as_strides(self.value_offsets)))
 
     # -- drawing the table --------------------------------------------------------------
 
@@ -126,35 +132,67 @@ class PackedBlockLayout:
                              f"{self.block_size}, 2 * head_size {2 * self.head_size})")
         return layer.view(num_blocks, num_heads, 2, block_size * self.head_size)
 
-    def _index(self, layer: torch.Tensor, slots: torch.Tensor, kind: int):
-        regions = self.regions(layer)
+    def token_view(self, regions: torch.Tensor, kind: int) -> torch.Tensor | None:
+        """``regions[..., kind, :]`` (keys 0, values 1) as a strided view ``(..., T1, T0, D1, D0)``
+        with token ``t = t1 * T0 + t0`` and channel ``d = d1 * D0 + d0``; None when the
+        packing is no strided view (then `read_tokens` goes through the table)."""
+        plan = self._views[kind]
+        if plan is None:
+            return None
+        shape, strides = plan
+        packed = regions.select(-2, kind)
+        step = packed.stride(-1)
+        return packed.as_strided((*packed.shape[:-1], *shape),
+                                 (*packed.stride()[:-1], *(s * step for s in strides)),
+                                 packed.storage_offset())
+
+    def _flat_index(self, layer: torch.Tensor, slots: torch.Tensor, kind: int) -> torch.Tensor:
+        """Element numbers in ``layer.view(-1)`` of the tokens at ``slots``, ``(n, heads, head_size)``."""
+        num_blocks, num_heads = self.regions(layer).shape[:2]
+        region = self.block_size * self.head_size
         slots = slots.to(torch.int64)
-        blocks = (slots // self.block_size)[:, None, None]
-        heads = torch.arange(regions.shape[1])[None, :, None]
         table = self.key_offsets if kind == 0 else self.value_offsets
-        return regions[:, :, kind], (blocks, heads, table[slots % self.block_size][:, None, :])
+        base = ((slots // self.block_size)[:, None] * num_heads + torch.arange(num_heads)) * (2 * region)
+        return (base + kind * region)[:, :, None] + table[slots % self.block_size][:, None, :]
 
     def read_tokens(self, layer: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values of the tokens at ``slots``, each ``(len(slots), num_kv_heads, head_size)``."""
+        regions = self.regions(layer)
+        slots = slots.to(torch.int64)
+        blocks, offsets = slots // self.block_size, slots % self.block_size
         out = []
         for kind in (0, 1):
-            region, index = self._index(layer, slots, kind)
-            out.append(region[index])
+            view = self.token_view(regions, kind)
+            if view is None:
+                index = self._flat_index(layer, slots, kind)
+                out.append(layer.view(-1).index_select(0, index.view(-1)).view(index.shape))
+                continue
+            group = view.shape[3]
+            picked = view[blocks, :, offsets // group, offsets % group]  # (n, heads, D1, D0)
+            out.append(picked.reshape(len(slots), regions.shape[1], self.head_size))
         return out[0], out[1]
 
     def write_tokens(self, layer: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
                      values: torch.Tensor) -> None:
         """Put ``keys`` / ``values`` ``(len(slots), num_kv_heads, head_size)`` at ``slots``, through the table."""
+        flat = layer.view(-1)
         for kind, data in ((0, keys), (1, values)):
-            region, index = self._index(layer, slots, kind)
-            region[index] = data.to(layer.dtype)
+            index = self._flat_index(layer, slots, kind)
+            flat.index_copy_(0, index.view(-1), data.to(layer.dtype).reshape(-1))
 
     # -- whole blocks ---------------------------------------------------------------
 
     def unpack(self, packed: torch.Tensor, kind: int) -> torch.Tensor:
         """``(..., block_size * head_size)`` packed keys (kind 0) or values (1) as ``(..., block_size, head_size)``."""
-        table = self.key_offsets if kind == 0 else self.value_offsets
-        return packed[..., table]
+        plan = self._views[kind]
+        if plan is None:
+            table = self.key_offsets if kind == 0 else self.value_offsets
+            return packed[..., table]
+        shape, strides = plan
+        step = packed.stride(-1)
+        view = packed.as_strided((*packed.shape[:-1], *shape), (*packed.stride()[:-1], *(s * step for s in strides)),
+                                 packed.storage_offset())
+        return view.reshape(*packed.shape[:-1], self.block_size, self.head_size)
 
     def pack(self, tokens: torch.Tensor, kind: int) -> torch.Tensor:
         """The inverse of `unpack`: ``(..., block_size, head_size)`` into the packed order."""
@@ -162,6 +200,33 @@ class PackedBlockLayout:
         packed = tokens.new_empty((*tokens.shape[:-2], self.block_size * self.head_size))
         packed[..., table.reshape(-1)] = tokens.reshape(*tokens.shape[:-2], -1)
         return packed
+
+
+def _as_strides(table: torch.Tensor) -> tuple | None:
+    """``table`` (token, channel) -> offset as ``(T1, T0, D1, D0)`` and strides, if it is one.
+
+    Kernels pack in small tiles (pairs of tokens or channels for AMX's VNNI
+    rows, whole columns for the vector kernels): split tokens and channels
+    each into groups of a power of two and see whether the offsets are affine."""
+    block_size, head_size = table.shape
+    for tokens_per in (1, 2, 4, 8, 16, 32):
+        for channels_per in (1, 2, 4, 8, 16, 32):
+            if block_size % tokens_per or head_size % channels_per:
+                continue
+            shape = (block_size // tokens_per, tokens_per, head_size // channels_per, channels_per)
+            tiled = table.view(shape[0], tokens_per, shape[2], channels_per)
+            origin = int(tiled[0, 0, 0, 0])
+            strides = tuple(
+                int(tiled[(1 if i == 0 else 0), (1 if i == 1 else 0), (1 if i == 2 else 0), (1 if i == 3 else 0)])
+                - origin if shape[i] > 1 else 0
+                for i in range(4)
+            )
+            if origin != 0 or any(s < 0 for s in strides):
+                continue
+            grid = torch.meshgrid(*(torch.arange(n) for n in shape), indexing="ij")
+            if torch.equal(sum(g * s for g, s in zip(grid, strides)), tiled):
+                return shape, strides
+    return None
 
 
 def _write_scratch(op: CacheWriteOp, isa: str, block_size: int, head_size: int, dtype: torch.dtype,

@@ -118,3 +118,29 @@ def test_an_op_that_drops_elements_or_mixes_heads_is_refused() -> None:
     for op, message in ((leaves_holes, "unwritten"), (mixes_heads, "outside its own block and head")):
         with pytest.raises(PackingError, match=message):
             PackedBlockLayout.draw(op, isa="vec", block_size=32, head_size=64, dtype=torch.bfloat16)
+
+
+def test_a_packing_that_is_no_strided_view_goes_through_the_table() -> None:
+    """Any permutation inside a block works, not only the tiles vLLM uses today."""
+    block_size, head_size = 32, 16
+    perm = torch.randperm(block_size * head_size, generator=torch.Generator().manual_seed(5))
+
+    def shuffled(key, value, key_cache, value_cache, slot_mapping, isa):
+        for row, slot in enumerate(slot_mapping.tolist()):
+            block, offset = divmod(slot, block_size)
+            for cache, data in ((key_cache, key), (value_cache, value)):
+                for head in range(cache.shape[1]):
+                    cache[block, head].view(-1)[perm[offset * head_size:(offset + 1) * head_size]] = data[row, head]
+
+    layout = PackedBlockLayout.draw(shuffled, isa="test", block_size=block_size, head_size=head_size,
+                                    dtype=torch.float32)
+    assert layout.token_view(layout.regions(torch.zeros(1, 1, block_size, 2 * head_size)), 0) is None
+    layer = torch.zeros(3, 2, block_size, 2 * head_size)
+    slots = torch.tensor([0, 5, 33, 95])
+    keys, values = torch.randn(4, 2, head_size), torch.randn(4, 2, head_size)
+    key_cache, value_cache = layer.view(3, 2, 2 * block_size, head_size).chunk(2, dim=2)
+    shuffled(keys, values, key_cache, value_cache, slots, "test")
+    got = layout.read_tokens(layer, slots)
+    assert torch.equal(got[0], keys) and torch.equal(got[1], values)
+    regions = layout.regions(layer)
+    assert torch.equal(layout.pack(layout.unpack(regions[:, :, 0], 0), 0), regions[:, :, 0])
