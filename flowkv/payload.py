@@ -5,7 +5,7 @@ small header followed by the codec's body::
 
     offset  size      field
     0       4         magic b"FKVP"
-    4       2         format version (2; version 1 is read too)
+    4       2         format version (3; versions 1 and 2 are read too)
     6       2         codec id (see flowkv.codecs)
     8       1         dtype code (1 fp16, 2 bf16, 3 fp32, 4 fp8 e4m3fn, 5 fp8 e5m2, 6 uint8)
     9       1         ndim
@@ -16,6 +16,7 @@ small header followed by the codec's body::
     32      8*ndim    shape
     ..      ndim      dim order of the body (version 2 only; see below)
     ..      P         codec parameters, canonical JSON (UTF-8, sorted keys)
+    ..      2+F       header fields (version 3): u16 length F, then per field u16 tag, u16 length, value
     H-8     8         xxh3-64 of header bytes [0, H-8)
     H       B         body
 
@@ -35,6 +36,13 @@ buffer of that order, or into ``out`` with a permuting copy when ``out`` is in
 another order), so a payload can never be read in the wrong order. Version
 1 payloads (written before chunk format 2) have no order field: their body
 is in the shape's own order.
+
+**Header fields (version 3).** Small typed facts about the chunk that are
+not the tensor: a tag, a length, the value. Tag 1, ``start_position``
+(int64): the position of the chunk's first token in the request it was
+stored from — a segment's KV was computed there, and a load at another
+position re-rotates its keys by the difference. A field of an unknown tag is
+skipped (read by a newer flowkv); the header checksum covers all of them.
 
 Example::
 
@@ -78,14 +86,19 @@ __all__ = [
 ]
 
 MAGIC = b"FKVP"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 #: Versions this flowkv reads.
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 
 # magic, version, codec id, dtype code, ndim, params length, header length,
 # body length, body checksum
 _PREFIX = struct.Struct("<4sHHBBHIQQ")
 _CHECKSUM = struct.Struct("<Q")
+# Version 3 header fields: their total length, then (tag, length) before each value.
+_FIELDS_LENGTH = struct.Struct("<H")
+_FIELD_HEAD = struct.Struct("<HH")
+_FIELD_START_POSITION = 1
+_START_POSITION = struct.Struct("<q")
 #: Bytes a reader must have to learn the full header length (field at offset 12).
 MIN_HEADER_SIZE = _PREFIX.size + _CHECKSUM.size
 _MAX_NDIM = 16
@@ -136,6 +149,9 @@ class PayloadHeader:
     header_length: int
     #: The order of the body's dims, outermost first (identity: the shape's own order).
     dim_order: tuple[int, ...] = attrs.field(converter=tuple, default=())
+    #: Where the chunk's first token sat in the request it was stored from, when recorded
+    #: (segments: their keys are re-rotated by the difference when loaded elsewhere).
+    start_position: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.dim_order:
@@ -191,8 +207,38 @@ def _buffer_order(tensor: torch.Tensor) -> tuple[int, ...]:
     return order if tensor.permute(order).is_contiguous() else _identity(tensor.dim())
 
 
-def encode(tensor: torch.Tensor, codec: str = "none", **codec_params: Any) -> bytes:
+def _header_fields(start_position: int | None) -> bytes:
+    fields = []
+    if start_position is not None:
+        if isinstance(start_position, bool) or not isinstance(start_position, int) or start_position < 0:
+            raise ValueError(f"start_position must be a token position (an int >= 0), got {start_position!r}")
+        fields.append(_FIELD_HEAD.pack(_FIELD_START_POSITION, _START_POSITION.size)
+                      + _START_POSITION.pack(start_position))
+    area = b"".join(fields)
+    return _FIELDS_LENGTH.pack(len(area)) + area
+
+
+def _read_fields(view: memoryview, at: int, end: int) -> dict[int, bytes]:
+    """The version 3 header fields in ``view[at:end]`` (after their length); they fill it exactly."""
+    fields: dict[int, bytes] = {}
+    while at < end:
+        if end - at < _FIELD_HEAD.size:
+            raise PayloadError("corrupt payload header: a header field runs past the header")
+        tag, length = _FIELD_HEAD.unpack_from(view, at)
+        at += _FIELD_HEAD.size
+        if end - at < length or tag in fields:
+            raise PayloadError(f"corrupt payload header: header field {tag} is cut short or repeated")
+        fields[tag] = bytes(view[at:at + length])
+        at += length
+    return fields
+
+
+def encode(tensor: torch.Tensor, codec: str = "none", *, start_position: int | None = None,
+           **codec_params: Any) -> bytes:
     """Encode `tensor` as a payload with the named codec and its parameters.
+
+    ``start_position`` records where the chunk's first token sat in its
+    request (a header field; `PayloadHeader.start_position`).
 
     A lossless codec encodes the elements in the order the tensor's buffer
     holds them (the header names it), so a chunk in its engine's format is
@@ -219,7 +265,8 @@ def encode(tensor: torch.Tensor, codec: str = "none", **codec_params: Any) -> by
     if len(params_json) > 0xFFFF:
         raise ValueError(f"codec {codec!r} parameters take {len(params_json)} bytes in the header, at most 65535")
     shape = tuple(tensor.shape)
-    header_length = _PREFIX.size + 9 * len(shape) + len(params_json) + _CHECKSUM.size
+    fields = _header_fields(start_position)
+    header_length = _PREFIX.size + 9 * len(shape) + len(params_json) + len(fields) + _CHECKSUM.size
     head = (
         _PREFIX.pack(
             MAGIC,
@@ -235,6 +282,7 @@ def encode(tensor: torch.Tensor, codec: str = "none", **codec_params: Any) -> by
         + struct.pack(f"<{len(shape)}Q", *shape)
         + bytes(order)
         + params_json
+        + fields
     )
     # bytes + buffer concatenates in one copy of the body.
     return head + _CHECKSUM.pack(_checksum(head)) + body
@@ -253,13 +301,19 @@ def read_header(blob: bytes | bytearray | memoryview) -> PayloadHeader:
         raise PayloadError(f"not a flowkv payload: magic {bytes(view[:4])!r}, expected {MAGIC!r}")
     version = int.from_bytes(view[4:6], "little")
     if version not in READABLE_VERSIONS:
-        raise PayloadError(f"unsupported payload format version {version} "
-                           f"(this flowkv reads {' and '.join(map(str, READABLE_VERSIONS))})")
+        readable = ", ".join(map(str, READABLE_VERSIONS[:-1])) + f" and {READABLE_VERSIONS[-1]}"
+        raise PayloadError(f"unsupported payload format version {version} (this flowkv reads {readable})")
     if len(view) < MIN_HEADER_SIZE:
         raise PayloadError(f"payload truncated: {len(view)} bytes, a header needs at least {MIN_HEADER_SIZE}")
     _, _, codec_id, dtype_code, ndim, params_len, header_length, body_length, body_checksum = _PREFIX.unpack_from(view)
     order_len = ndim if version >= 2 else 0
-    if header_length != _PREFIX.size + 8 * ndim + order_len + params_len + _CHECKSUM.size:
+    fields_at = _PREFIX.size + 8 * ndim + order_len + params_len
+    fields_length = 0
+    if version >= 3:
+        if len(view) < fields_at + _FIELDS_LENGTH.size:
+            raise PayloadError(f"payload truncated: {len(view)} bytes, too few for its header")
+        fields_length = _FIELDS_LENGTH.size + _FIELDS_LENGTH.unpack_from(view, fields_at)[0]
+    if header_length != fields_at + fields_length + _CHECKSUM.size:
         raise PayloadError(
             f"corrupt payload header: header length {header_length} does not match "
             f"ndim {ndim} and parameter length {params_len}"
@@ -289,6 +343,11 @@ def read_header(blob: bytes | bytearray | memoryview) -> PayloadHeader:
         raise PayloadError(f"payload codec parameters are not valid JSON: {exc}") from None
     if not isinstance(params, dict):
         raise PayloadError(f"payload codec parameters are not a JSON object: {params!r}")
+    fields = (_read_fields(view, fields_at + _FIELDS_LENGTH.size, header_length - _CHECKSUM.size)
+              if version >= 3 else {})
+    start = fields.get(_FIELD_START_POSITION)
+    if start is not None and (len(start) != _START_POSITION.size or _START_POSITION.unpack(start)[0] < 0):
+        raise PayloadError(f"corrupt payload header: start position field {start!r}")
     return PayloadHeader(
         version=version,
         codec=impl.name,
@@ -299,6 +358,7 @@ def read_header(blob: bytes | bytearray | memoryview) -> PayloadHeader:
         body_checksum=body_checksum,
         header_length=header_length,
         dim_order=order,
+        start_position=_START_POSITION.unpack(start)[0] if start is not None else None,
     )
 
 

@@ -38,7 +38,7 @@ def resign(blob: bytes, **fields) -> bytes:
     if "params" in fields:
         params_at = 8 * values[4] + (values[4] if values[1] >= 2 else 0)  # shape, then (v2) the dim order
         params = json.dumps(fields.pop("params")).encode()
-        rest = rest[:params_at] + params
+        rest = rest[:params_at] + params + rest[params_at + values[5]:]  # (v3) the header fields stay
         values[5] = len(params)
         values[6] = header_length = prefix.size + len(rest) + 8
     if fields.pop("body_checksum", None):
@@ -93,7 +93,7 @@ def test_accepts_bytes_bytearray_memoryview_and_noncontiguous_input():
     for form in (blob, bytearray(blob), memoryview(blob), memoryview(bytearray(blob))):
         assert torch.equal(decode(form), kv)
     # A multi-byte-format view of the same bytes is read as bytes.
-    padded = blob + b"\0" * (-len(blob) % 4)
+    padded = blob + b"\0" * (-len(blob) % 4 or 4)  # always some bytes past the body
     as_ints = memoryview(bytearray(padded)).cast("I")
     with pytest.raises(PayloadError, match="after its body"):
         decode(as_ints)
@@ -188,8 +188,8 @@ def test_rejects_wrong_magic_and_foreign_data():
 
 def test_rejects_unknown_version_even_with_valid_checksum():
     blob = encode(make_kv(), "none")
-    with pytest.raises(PayloadError, match="unsupported payload format version 3 \\(this flowkv reads 1 and 2\\)"):
-        decode(resign(blob, version=3))
+    with pytest.raises(PayloadError, match="unsupported payload format version 4 \\(this flowkv reads 1, 2 and 3\\)"):
+        decode(resign(blob, version=4))
 
 
 def test_rejects_unknown_codec_and_dtype_with_valid_checksum():
@@ -230,8 +230,9 @@ def test_header_is_frozen_and_compact():
     assert isinstance(header, PayloadHeader)
     with pytest.raises(AttributeError):
         header.codec = "lz4"
-    # 32-byte prefix + 5 dims + their order (version 2) + "{}" params + 8-byte checksum.
-    assert header.header_length == 32 + 5 * 8 + 5 + 2 + 8
+    # 32-byte prefix + 5 dims + their order (version 2) + "{}" params + no header fields (version 3:
+    # their length) + 8-byte checksum.
+    assert header.header_length == 32 + 5 * 8 + 5 + 2 + 2 + 8
 
 
 def test_encode_rejects_bad_requests():
@@ -274,8 +275,9 @@ def as_version_1(blob: bytes) -> bytes:
     ndim, header_length = values[4], values[6]
     order_at = prefix.size + 8 * ndim
     assert tuple(blob[order_at:order_at + ndim]) == tuple(range(ndim))
-    rest = blob[prefix.size:order_at] + blob[order_at + ndim:header_length - 8]
-    values[1], values[6] = 1, header_length - ndim
+    assert blob[header_length - 10:header_length - 8] == b"\0\0"  # no version 3 header fields
+    rest = blob[prefix.size:order_at] + blob[order_at + ndim:header_length - 10]
+    values[1], values[6] = 1, header_length - ndim - 2
     head = prefix.pack(*values) + rest
     return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + blob[header_length:]
 
@@ -331,3 +333,54 @@ def test_rejects_a_dim_order_that_is_not_a_permutation():
     struct.pack_into("<Q", blob, head_end - 8, xxhash.xxh3_64_intdigest(bytes(blob[:head_end - 8])))
     with pytest.raises(PayloadError, match="dim order .* is not a permutation"):
         read_header(bytes(blob))
+
+
+# -- version 3: header fields (a segment's start position) ----------------------------
+
+
+def as_version_2(blob: bytes) -> bytes:
+    """The same payload as a flowkv before header fields wrote it (version 2); only without fields."""
+    prefix = struct.Struct("<4sHHBBHIQQ")
+    values = list(prefix.unpack_from(blob))
+    header_length = values[6]
+    assert blob[header_length - 10:header_length - 8] == b"\0\0"
+    values[1], values[6] = 2, header_length - 2
+    head = prefix.pack(*values) + blob[prefix.size:header_length - 10]
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + blob[header_length:]
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd", "int8"])
+def test_a_start_position_travels_in_the_header(codec):
+    kv = make_kv()
+    blob = encode(kv, codec, start_position=1234)
+    assert read_header(blob).start_position == 1234 and verify(blob).start_position == 1234
+    assert read_header(encode(kv, codec)).start_position is None
+    assert read_header(encode(kv, codec, start_position=0)).start_position == 0
+    assert decode(blob).shape == kv.shape
+    with pytest.raises(ValueError, match="start_position must be a token position"):
+        encode(kv, codec, start_position=-1)
+
+
+def test_version_2_payloads_still_decode():
+    kv = make_kv()
+    old = as_version_2(encode(kv, "zstd", level=3))
+    header = read_header(old)
+    assert (header.version, header.start_position) == (2, None)
+    assert torch.equal(decode(old), kv)
+
+
+def test_corrupt_header_fields_are_refused_behind_a_valid_checksum():
+    blob = encode(make_kv(), "none", start_position=7)
+    header_length = read_header(blob).header_length
+    fields_at = header_length - 8 - 2 - 12  # length, then tag/length/int64
+    for offset, forged, message in (
+        (fields_at, struct.pack("<H", 13), "header length"),  # the fields' length disagrees with the header's
+        (fields_at + 4, struct.pack("<H", 9), "cut short"),  # a field longer than the area
+        (fields_at + 6, struct.pack("<q", -5), "start position field"),
+    ):
+        raw = bytearray(blob)
+        raw[offset:offset + len(forged)] = forged
+        head = bytes(raw[:header_length - 8])
+        resigned = head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + bytes(raw[header_length:])
+        with pytest.raises(PayloadError, match=message):
+            decode(resigned)
