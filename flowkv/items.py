@@ -50,6 +50,9 @@ class Request:
     # tokens[0]) when the caller has them: the vLLM scheduler hashes a request
     # once and sends hashes, so chunk-hash makes keys without reading tokens.
     chunk_hashes: Sequence[bytes] | None = None
+    # Filled by retrieve: segment chunks found stored at another position than the one
+    # they are loaded at, as (start, end, stored_start); their keys need re-rotating.
+    moved: list[tuple[int, int, int]] = attrs.field(factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +88,8 @@ class Chunk:
     # Segment keys (the `segment` stage): where the segment holding this chunk begins.
     # chunk-hash then keys it by that segment's tokens alone; None = the prefix chain.
     segment_start: int | None = None
+    # Where this chunk's first token sat when its KV was stored (segment chunks record it).
+    stored_start: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -194,12 +194,45 @@ class PackedBlockLayout:
                                  packed.storage_offset())
         return view.reshape(*packed.shape[:-1], self.block_size, self.head_size)
 
+    def unpack_chunk(self, chunk: torch.Tensor) -> torch.Tensor:
+        """A chunk gathered as whole packed blocks (its logical ``(layers, 2, tokens, heads,
+        head_size)`` view over the copied bytes) as true per-token keys and values, same shape:
+        what a lossy codec must quantize (key channels, value tokens)."""
+        regions = _chunk_regions(chunk, self.block_size, self.head_size)
+        layers, heads, blocks = regions.shape[:3]
+        kinds = [self.unpack(regions[:, :, :, kind], kind).reshape(layers, heads, blocks * self.block_size,
+                                                                    self.head_size) for kind in (0, 1)]
+        return torch.stack(kinds, dim=1).permute(0, 1, 3, 2, 4).contiguous()
+
+    def pack_chunk(self, tokens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The inverse of `unpack_chunk`: true ``(layers, 2, tokens, heads, head_size)`` into
+        ``out``, a chunk buffer of whole packed blocks (as gather fills and scatter reads)."""
+        regions = _chunk_regions(out, self.block_size, self.head_size)
+        layers, heads, blocks = regions.shape[:3]
+        for kind in (0, 1):
+            per_block = tokens[:, kind].permute(0, 2, 1, 3).reshape(layers, heads, blocks, self.block_size,
+                                                                    self.head_size)
+            regions[:, :, :, kind] = self.pack(per_block, kind)
+        return out
+
     def pack(self, tokens: torch.Tensor, kind: int) -> torch.Tensor:
         """The inverse of `unpack`: ``(..., block_size, head_size)`` into the packed order."""
         table = self.key_offsets if kind == 0 else self.value_offsets
         packed = tokens.new_empty((*tokens.shape[:-2], self.block_size * self.head_size))
         packed[..., table.reshape(-1)] = tokens.reshape(*tokens.shape[:-2], -1)
         return packed
+
+
+def _chunk_regions(chunk: torch.Tensor, block_size: int, head_size: int) -> torch.Tensor:
+    """A chunk buffer of whole packed blocks (chunk format 2 of the ``cpu`` layout, buffer
+    ``(layers, heads, tokens, kv, head_size)``) as ``(layers, heads, blocks, 2, block_size * head_size)``."""
+    layers, kv, tokens, heads, dim = chunk.shape
+    if kv != 2 or dim != head_size or tokens % block_size:
+        raise ValueError(f"a chunk of shape {tuple(chunk.shape)} is not whole packed blocks of {block_size} tokens")
+    physical = chunk.permute(0, 3, 2, 1, 4)
+    if not physical.is_contiguous():
+        raise ValueError("the chunk's buffer is not in the cpu layout's order (layers, heads, tokens, kv, dim)")
+    return physical.view(layers, heads, tokens // block_size, 2, block_size * head_size)
 
 
 def _as_strides(table: torch.Tensor) -> tuple | None:

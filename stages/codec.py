@@ -71,10 +71,15 @@ def compress(
                             key_group_size=key_group_size, scale_dtype=scale_dtype, scaling=scaling,
                             window=window).params()
     for chunk in chunks:
+        # A segment's KV was computed where it sat: record it (memory: the object's
+        # meta; byte tiers: the payload header), so a load elsewhere re-rotates its keys.
+        start = chunk.start if chunk.segment_start is not None else None
+        if start is not None and chunk.obj is not None:
+            chunk.obj.meta["start_position"] = start
         if codec != "none":
             if window:
                 params["window"] = prefix_window(window, chunk.start, chunk.end, stored_end(ctx.services, chunk.request))
-            chunk.payload = payloads.encode(chunk.kv, codec, **params)
+            chunk.payload = payloads.encode(chunk.kv, codec, start_position=start, **params)
             ctx.record(bytes=len(chunk.payload))
         yield chunk
 

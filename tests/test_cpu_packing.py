@@ -144,3 +144,29 @@ def test_a_packing_that_is_no_strided_view_goes_through_the_table() -> None:
     assert torch.equal(got[0], keys) and torch.equal(got[1], values)
     regions = layout.regions(layer)
     assert torch.equal(layout.pack(layout.unpack(regions[:, :, 0], 0), 0), regions[:, :, 0])
+
+
+@pytest.mark.parametrize("isa", sorted({case[0] for case in CASES if case[1:] == (32, 64, torch.bfloat16)}))
+def test_a_gathered_chunk_of_packed_blocks_unpacks_into_true_tokens_and_back(isa) -> None:
+    """The seam for lossy codecs: flowkv gathers vLLM's blocks as bytes; unpack_chunk gives the
+    tokens' true keys and values (key channels in the last dim), pack_chunk puts them back."""
+    from flowkv.kernels import KVGeometry, gather
+
+    block_size, head_size, heads, blocks = 32, 64, 2, 6
+    layout = packed_layout(torch.bfloat16, block_size=block_size, head_size=head_size, isa=isa)
+    geometry = KVGeometry("cpu", num_layers=2, num_kv_heads=heads, head_size=head_size, block_size=block_size,
+                          dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    layers = [torch.zeros(blocks, heads, block_size, 2 * head_size, dtype=torch.bfloat16) for _ in range(2)]
+    slots = torch.cat([torch.arange(b * block_size, (b + 1) * block_size) for b in (4, 1)])  # two whole blocks
+    written = []
+    for layer in layers:
+        keys = torch.randn(len(slots), heads, head_size, generator=g).to(torch.bfloat16)
+        values = torch.randn(len(slots), heads, head_size, generator=g).to(torch.bfloat16)
+        write_tokens(layout, layer, slots, keys, values)
+        written.append(torch.stack((keys, values)))
+    chunk = gather(layers, geometry, slots, geometry.empty_chunk(len(slots)))
+    true = layout.unpack_chunk(chunk)
+    assert torch.equal(true, torch.stack(written))  # (layers, kv, tokens, heads, head_size)
+    again = layout.pack_chunk(true, geometry.empty_chunk(len(slots)))
+    assert torch.equal(again, chunk)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowkv import CacheEngine
+from flowkv import CacheEngine, KVTransfer
 from flowkv.keys import ChunkKeys, chain_hashes, segment_hashes
 from flowkv.kernels import KVGeometry, gather
 from flowkv.pipeline import PipelineError, load_pipeline, loads_pipeline, resolve_source
@@ -174,7 +174,8 @@ def test_documents_stored_in_one_order_are_found_and_loaded_in_another(pipeline,
         assert engine.lookup(torch.tensor(second)) == len(second) - 2
         dst = make_paged_kv(GEOMETRY, BLOCKS, seed=2, fill=False)
         dst_slots = random_slot_mapping(len(second), GEOMETRY, BLOCKS, seed=3)
-        mask = engine.retrieve(torch.tensor(second), kv_caches=dst, slot_mapping=dst_slots)
+        result = engine.retrieve(KVTransfer(tokens=torch.tensor(second), kv_caches=dst, slot_mapping=dst_slots))
+        mask = result.ret_mask
         assert int(mask.sum()) == len(second) - 2 and bool(mask[: len(second) - 2].all())
         if pipeline == "blend-disk":
             assert engine.stats()["tiers"]["disk"]["hits"] > 0
@@ -185,6 +186,12 @@ def test_documents_stored_in_one_order_are_found_and_loaded_in_another(pipeline,
             want = kv_of(src, src_slots[at[name]:at[name] + size])
             got = kv_of(dst, dst_slots[now[name]:now[name] + size])
             assert torch.equal(got, want), name
+        # Each moved piece says where its KV was computed (memory: object meta; disk: payload header).
+        moved = []
+        for name, size in (("d3", len(d3)), ("d1", len(d1))):
+            moved += [(now[name] + piece, now[name] + min(piece + CHUNK, size), at[name] + piece)
+                      for piece in range(0, size, CHUNK)]
+        assert result.moved == tuple(moved)  # the system prompt sits where it was: not moved
 
         # A document never stored ends the hit: the system prompt is found, then nothing.
         third = system + doc(99, 20) + d2

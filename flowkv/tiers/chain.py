@@ -294,7 +294,8 @@ class StorageManager:
         """
         objects = self._objects.get(tier)
         if objects is None:
-            blob = payload if payload is not None else payloads.encode(kv, "none")
+            start = obj.meta.get("start_position") if obj is not None else None
+            blob = payload if payload is not None else payloads.encode(kv, "none", start_position=start)
             if isinstance(blob, memoryview):
                 blob = bytes(blob)
             if not self._write_behind[tier].offer(key, blob):
@@ -634,6 +635,8 @@ class StorageManager:
                 return False
             obj.view_bytes()[:] = blob
             obj.meta["codec"] = header.codec
+        if header.start_position is not None:
+            obj.meta["start_position"] = header.start_position
         admitted = memory.put(key, obj)
         obj.ref_down()
         if admitted:
