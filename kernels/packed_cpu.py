@@ -160,6 +160,12 @@ class PackedBlockLayout:
         regions = self.regions(layer)
         slots = slots.to(torch.int64)
         blocks, offsets = slots // self.block_size, slots % self.block_size
+        used, where = torch.unique(blocks, return_inverse=True)
+        if len(used) * self.block_size <= 2 * len(slots):
+            # Dense runs (a document's tokens): copy the blocks whole, unpack them, then pick
+            # the rows — whole-block copies run at memory speed, scattered elements do not.
+            picked = regions.index_select(0, used)
+            return tuple(self.unpack(picked[:, :, kind], kind)[where, :, offsets] for kind in (0, 1))
         out = []
         for kind in (0, 1):
             view = self.token_view(regions, kind)

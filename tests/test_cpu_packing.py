@@ -72,8 +72,10 @@ def test_tokens_written_by_vllms_op_read_back_exactly_through_the_table(case) ->
     layer = random_layer(blocks, heads, block_size, head_size, dtype, seed=2)
     before = layer.clone()
     write_tokens(layout, layer, slots, keys, values)
-    got_keys, got_values = layout.read_tokens(layer, slots)
+    got_keys, got_values = layout.read_tokens(layer, slots)  # dense: whole blocks unpacked
     assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
+    few_keys, few_values = layout.read_tokens(layer, slots[:3])  # sparse: element by element
+    assert torch.equal(few_keys, keys[:3]) and torch.equal(few_values, values[:3])
     # Every other token is as it was: a token write touches its own elements only.
     others = torch.tensor(sorted(set(range(blocks * block_size)) - set(slots.tolist())))
     assert [torch.equal(a, b) for a, b in zip(layout.read_tokens(layer, others), layout.read_tokens(before, others))] \
