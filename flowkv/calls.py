@@ -83,10 +83,17 @@ class RetrieveResult:
     # Tokens [start, end) that lookup promised but could not be loaded (None: all it found came).
     failed_range: tuple[int, int] | None = None
     masked: int = 0  # the caller's mask covered tokens [0, masked): neither read nor loaded
+    # Loaded segment chunks whose KV was computed at another position: (start, end,
+    # stored_start). Their keys carry the rotation of stored_start (CacheBlend re-rotates
+    # them by start - stored_start and recomputes a share of their tokens).
+    moved: tuple[tuple[int, int, int], ...] = ()
 
     @classmethod
     def of(cls, request: Request) -> RetrieveResult:
-        return cls(request.ret_mask, request.failed_range, request.masked)
+        result = cls(request.ret_mask, request.failed_range, request.masked)
+        loaded_to = result.loaded_to
+        moved = tuple(span for span in request.moved if span[1] <= loaded_to)
+        return attrs.evolve(result, moved=moved) if moved else result
 
     @property
     def loaded_to(self) -> int:

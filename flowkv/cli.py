@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     validate.set_defaults(func=cmd_validate)
     show = psub.add_parser("show", help="the resolved stages and tiers with every effective setting")
     show.add_argument("source", help="a built-in pipeline name or a path to a .toml file")
+    for action in (validate, show):
+        action.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                            help="override a setting by dotted key, as the vLLM extra config does "
+                                 "(VALUE is JSON, else a string), e.g. --set 'blend.separator=[271]'")
     show.add_argument("--json", action="store_true", help="print as JSON")
     show.set_defaults(func=cmd_show)
     listing = psub.add_parser("list", help="built-in pipelines, built-in and installed stages and tiers")
@@ -94,12 +98,25 @@ def _unavailable(name: str, module: str):
 # -- pipeline ---------------------------------------------------------------
 
 
-def _load(source: str):
+def _overrides(pairs: list[str]) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"flowkv: --set wants KEY=VALUE, got {pair!r}")
+        try:
+            overrides[key] = json.loads(text)
+        except ValueError:
+            overrides[key] = text
+    return overrides
+
+
+def _load(source: str, overrides: list[str] | None = None):
     """(the pipeline, None) or (None, [every error as FILE:LINE:COL: message])."""
     from flowkv.pipeline import PipelineError, load_pipeline
 
     try:
-        return load_pipeline(source), None
+        return load_pipeline(source, overrides=_overrides(overrides or [])), None
     except PipelineError as exc:
         return None, [str(d) for d in exc.diagnostics]
     except FileNotFoundError as exc:
@@ -107,7 +124,7 @@ def _load(source: str):
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    pipeline, errors = _load(args.source)
+    pipeline, errors = _load(args.source, args.overrides)
     if pipeline is None:
         print("\n".join(errors), file=sys.stderr)
         count = len(errors)
@@ -169,7 +186,7 @@ def describe(pipeline) -> dict[str, Any]:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    pipeline, errors = _load(args.source)
+    pipeline, errors = _load(args.source, args.overrides)
     if pipeline is None:
         print("\n".join(errors), file=sys.stderr)
         return 1

@@ -80,7 +80,7 @@ class CacheEngine:
         )
         self.services = Services(geometry=geometry, chunk_size=self.chunk_size,
                                  save_partial_chunks=self.save_partial_chunks, keys=self.keys,
-                                 storage=self.storage, counters=self.accounting)
+                                 storage=self.storage, counters=self.accounting, blend=pipeline.blend)
         self.tracer = telemetry.tracer_for(pipeline.telemetry)
         self.executor = Executor(pipeline, self.services, accounting=self.accounting, tracer=self.tracer)
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from flowkv.accounting import Counters
     from flowkv.kernels import KVGeometry
     from flowkv.keys import CacheKey, ChunkKeys
+    from flowkv.pipeline_model import BlendSpec
     from flowkv.tiers.chain import StorageManager
 
 
@@ -50,6 +51,9 @@ class Request:
     # tokens[0]) when the caller has them: the vLLM scheduler hashes a request
     # once and sends hashes, so chunk-hash makes keys without reading tokens.
     chunk_hashes: Sequence[bytes] | None = None
+    # Filled by retrieve: segment chunks found stored at another position than the one
+    # they are loaded at, as (start, end, stored_start); their keys need re-rotating.
+    moved: list[tuple[int, int, int]] = attrs.field(factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -87,6 +91,11 @@ class Chunk:
     tier: str | None = None  # where lookup found it / where put stored it
     # Layers moved so far (layerwise runs); a chunk counts only once all are.
     layers_done: int = 0
+    # Segment keys (the `segment` stage): where the segment holding this chunk begins.
+    # chunk-hash then keys it by that segment's tokens alone; None = the prefix chain.
+    segment_start: int | None = None
+    # Where this chunk's first token sat when its KV was stored (segment chunks record it).
+    stored_start: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -109,13 +118,18 @@ class Services:
     keys: ChunkKeys  # chunk keys: keys.of(tokens, tags, spans)
     storage: StorageManager  # the ordered tiers: find, read, allocate, put, pin, prefetch
     counters: Counters  # counters.count(name, n): shown in stats() and the vLLM metrics
+    blend: BlendSpec | None = None  # the pipeline's [blend] table (separator, ratio), None without one
 
     def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
         """The raw KV shape of a chunk of ``num_tokens`` tokens."""
         return self.geometry.chunk_shape(num_tokens)
 
-    def chunk_keys(self, request: Request, spans: Sequence[tuple[int, int]] | None = None) -> list[CacheKey]:
-        """Keys of ``request``'s chunks (every ``chunk_size`` tokens, or the given ``spans``)."""
+    def chunk_keys(self, request: Request, spans: Sequence[tuple[int, int]] | None = None,
+                   segment_starts: Sequence[int] | None = None) -> list[CacheKey]:
+        """Keys of ``request``'s chunks (every ``chunk_size`` tokens, or the given ``spans``);
+        segment keys when ``segment_starts`` says where each span's segment begins."""
+        if segment_starts is not None:
+            return self.keys.of(request.tokens, request.tags, spans, segment_starts=segment_starts)
         return self.keys.of(request.tokens, request.tags, spans, hashes=request.chunk_hashes)
 
     def count(self, name: str, n: float = 1) -> None:

@@ -56,6 +56,7 @@ __all__ = [
     "chain_span_hashes",
     "chunk_spans",
     "default_hash_function_name",
+    "segment_hashes",
     "get_hash_function",
     "tags_digest",
 ]
@@ -386,15 +387,79 @@ def chain_span_hashes(
     fn = get_hash_function(hash_fn)
     _check_extra(extra)
     array = _as_token_array(tokens)
-    expected = 0
-    for start, end in spans:
-        if start != expected or end <= start or end > array.shape[0]:
-            raise ValueError(f"spans must be consecutive, non-empty and within {array.shape[0]} tokens; "
-                             f"got ({start}, {end}) after {expected}")
-        expected = end
+    _check_consecutive(spans, int(array.shape[0]))
     if not spans:
         return []
     return fn._chain(fn._prepare(array), list(spans), extra, fn._parent(None))
+
+
+def _check_consecutive(spans: Sequence[tuple[int, int]], num_tokens: int) -> None:
+    expected = 0
+    for start, end in spans:
+        if start != expected or end <= start or end > num_tokens:
+            raise ValueError(f"spans must be consecutive, non-empty and within {num_tokens} tokens; "
+                             f"got ({start}, {end}) after {expected}")
+        expected = end
+
+
+# The chain of a segment starts from this root, not the prefix root: a segment key
+# and a prefix key of the same tokens must never meet, because a prefix chunk's KV
+# was computed at its place in the prompt and a segment's is loaded at another.
+_SEGMENT_DOMAIN = ("flowkv segment key",)
+_segment_roots: dict[str, bytes] = {}
+
+
+def _segment_root(fn: ChunkHashFunction) -> bytes:
+    root = _segment_roots.get(fn.name)
+    if root is None:
+        empty = fn._prepare(np.zeros(0, dtype=_TOKEN_DTYPE))
+        root = _segment_roots[fn.name] = fn._chain(empty, [(0, 0)], _SEGMENT_DOMAIN, fn.root_hash)[0]
+    return root
+
+
+def segment_hashes(
+    tokens: Any,
+    spans: Sequence[tuple[int, int]],
+    segment_starts: Sequence[int],
+    hash_fn: str | ChunkHashFunction,
+    *,
+    extra: tuple | None = None,
+) -> list[bytes]:
+    """Segment keys' hashes of consecutive ``spans``: each depends only on its own segment.
+
+    ``segment_starts[i]`` is where the segment holding span ``i`` begins (a
+    document cut into several spans gives each the same start). The chain
+    restarts at every segment, from a root of its own: a span's hash is
+    that of the spans before it *in its segment* and its tokens, never of what
+    precedes the segment, so a document hashes alike wherever it sits in a
+    prompt. The key prefix (model, rank, dtype, layout, tags) still isolates it.
+
+    >>> a, b = [5, 6, 7], [8, 9]
+    >>> one = segment_hashes(a + b, [(0, 3), (3, 5)], [0, 3], "xxh3_128")
+    >>> two = segment_hashes(b + a, [(0, 2), (2, 5)], [0, 2], "xxh3_128")
+    >>> one == two[::-1], one[0] == chain_hashes(a, 3, "xxh3_128")[0]
+    (True, False)
+    """
+    fn = get_hash_function(hash_fn)
+    _check_extra(extra)
+    array = _as_token_array(tokens)
+    _check_consecutive(spans, int(array.shape[0]))
+    if len(segment_starts) != len(spans):
+        raise ValueError(f"{len(segment_starts)} segment starts given for {len(spans)} spans")
+    prepared = fn._prepare(array)
+    root = _segment_root(fn)
+    hashes: list[bytes] = []
+    i = 0
+    while i < len(spans):
+        start = segment_starts[i]
+        if spans[i][0] != start:
+            raise ValueError(f"span {spans[i]} opens a segment that starts at token {start}")
+        j = i
+        while j < len(spans) and segment_starts[j] == start:
+            j += 1
+        hashes += fn._chain(prepared, list(spans[i:j]), extra, root)
+        i = j
+    return hashes
 
 
 # --------------------------------------------------------------------------
@@ -590,15 +655,24 @@ class ChunkKeys:
 
     def of(self, tokens: Any, tags: Mapping[str, str] | None = None,
            spans: Sequence[tuple[int, int]] | None = None, *,
-           hashes: Sequence[bytes] | None = None) -> list[CacheKey]:
+           hashes: Sequence[bytes] | None = None,
+           segment_starts: Sequence[int] | None = None) -> list[CacheKey]:
         """Keys of every ``chunk_size`` tokens (a partial last one included), or of the
         given consecutive ``spans`` (from a segmenter).
+
+        ``segment_starts`` (one per span) asks for segment keys instead of the
+        prefix chain: each span's key depends only on its own segment's tokens
+        (`segment_hashes`). Without it the keys are chained from token 0.
 
         ``hashes`` are the chunks' chained hashes when the caller has them (the
         vLLM scheduler hashes a request once and sends them): the keys are made
         from them, and the tokens are not read. They key fixed-size chunks only.
         """
         prefix = self.prefix(tags)
+        if segment_starts is not None:
+            if hashes is not None or spans is None:
+                raise ValueError("segment keys need the spans and are hashed from the tokens, not given hashes")
+            return prefix.keys(segment_hashes(tokens, spans, segment_starts, self.hash_fn))
         if hashes is not None:
             return self._given(prefix, len(tokens), spans, hashes)
         array_ = np.ascontiguousarray(tokens.numpy() if hasattr(tokens, "numpy") else np.asarray(tokens))

@@ -41,6 +41,7 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
 from flowkv import pipeline_model, registry
 from flowkv.pipeline_extends import Positions, read_layers
 from flowkv.pipeline_model import (
+    BlendSpec,
     ControllerSpec,
     Diagnostic,
     LayerwiseSpec,
@@ -145,6 +146,7 @@ _SECTIONS = {
     "vllm": VllmSpec,
     "quality": QualitySpec,
     "controller": ControllerSpec,
+    "blend": BlendSpec,
 }
 _SIZE_FIELDS = ("capacity", "max_bytes", "slab_size", "max_value_bytes")
 
@@ -260,6 +262,7 @@ class _Loader:
         vllm = self.structure_table(raw, "vllm", VllmSpec)
         quality = self.structure_table(raw, "quality", QualitySpec)
         controller = self.structure_table(raw, "controller", ControllerSpec)
+        blend = self.structure_table(raw, "blend", BlendSpec) if "blend" in raw else None
         tiers = self.structure_tiers(raw.get("tiers", {}))
         lists: dict[str, tuple[StageSpec, ...]] = {}
         for kind in ("store", "retrieve", "lookup"):
@@ -273,10 +276,11 @@ class _Loader:
                 head.append(spec)
             lists["lookup"] = tuple(head)
         self.check(section, telemetry, tiers, lists, raw)
+        self.check_blend(blend, lists, raw)
         if quality is not None and quality.min_agreement is not None and self.check_quality:
             self.check_quality_gate(quality, lists["store"])
         if (section is None or layerwise is None or telemetry is None or vllm is None or quality is None
-                or controller is None):
+                or controller is None or ("blend" in raw and blend is None)):
             return None
         return Pipeline(
             name=section.name,
@@ -293,7 +297,37 @@ class _Loader:
             controller=controller,
             extends=self.extends,
             origins={".".join(map(str, path)): f"{file}:{line}" for path, (file, line, _) in self.positions.items()},
+            blend=blend,
         )
+
+    def check_blend(self, blend: BlendSpec | None, lists: dict[str, tuple[StageSpec, ...]],
+                    raw: dict[str, Any]) -> None:
+        """The [blend] table's values, and that every stage reading it has it."""
+        for kind, specs in lists.items():
+            if kind == "lookup" and "lookup" not in raw:
+                continue
+            for spec in specs:
+                if "blend" in spec.info.reads and "blend" not in raw:
+                    self.error((kind, "stages", spec.index, "use"),
+                               f"stage '{spec.name}' reads its separator from the [blend] table, which this "
+                               "file does not declare (add [blend] with separator = [token ids that close a "
+                               "document])", "missing-key")
+        if blend is None:
+            return
+        separator = blend.separator
+        if not separator or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**32
+                                for t in separator):
+            self.error(("blend", "separator"), "[blend] separator must be a non-empty list of token ids "
+                       f"(ints in [0, 2**32)), got {separator!r}", "invalid-value")
+        if not 0.0 <= blend.recompute_ratio <= 1.0:
+            self.error(("blend", "recompute_ratio"), "[blend] recompute_ratio must lie in 0.0..1.0 (0 = plain "
+                       f"concatenation, 1 = every reused token recomputed), got {blend.recompute_ratio}",
+                       "invalid-value")
+        layers = blend.check_layers
+        if (not layers or len(set(layers)) != len(layers)
+                or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers)):
+            self.error(("blend", "check_layers"), "[blend] check_layers must be a non-empty list of distinct "
+                       f"layer indices (ints >= 0), got {layers!r}", "invalid-value")
 
     def check_quality_gate(self, quality: QualitySpec, store: tuple[StageSpec, ...]) -> None:
         from flowkv.quality_gate import check_gate

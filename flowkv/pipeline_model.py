@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from flowkv.registry import StageInfo, TierInfo
 
 __all__ = [
+    "BlendSpec",
     "ControllerSpec",
     "Diagnostic",
     "LayerwiseSpec",
@@ -152,6 +153,21 @@ class QualitySpec:
     record: str | None = None  # path to the quality record JSON
 
 
+@attrs.frozen(kw_only=True)
+class BlendSpec:
+    """``[blend]``: documents reused wherever they sit in a prompt (CacheBlend).
+
+    A pipeline with this table blends: the ``segment`` stage cuts requests
+    after each ``separator`` and keys each segment by its own tokens. Checked
+    by the loader (``separator`` non-empty token ids, ``recompute_ratio`` in
+    0..1, ``check_layers`` non-negative layer indices).
+    """
+
+    separator: list[int]  # token ids that close a document (e.g. the ids of "\n\n")
+    recompute_ratio: float = 0.15  # share of reused tokens recomputed: 0 = plain concatenation, 1 = all
+    check_layers: list[int] = attrs.Factory(lambda: [1])  # layers where deviating tokens are selected
+
+
 @attrs.frozen
 class Pipeline:
     """A loaded, checked pipeline set."""
@@ -171,6 +187,7 @@ class Pipeline:
     extends: tuple[str, ...] = ()  # the files this one extends, nearest first
     # Where each table and key was written: "pipeline.chunk_size" -> "FILE:LINE" (defaults have none).
     origins: dict[str, str] = attrs.field(factory=dict, eq=False, repr=False)
+    blend: BlendSpec | None = None  # [blend]; None: no blending
 
     @property
     def chunk_size(self) -> int:

@@ -31,6 +31,8 @@ ENTRY_POINT_GROUP = "flowkv.plugins"
 # The group's first name: still read, with a DeprecationWarning when one of its names is used.
 DEPRECATED_ENTRY_POINT_GROUP = "flowkv.stages"
 PIPELINE_KINDS = ("store", "retrieve", "lookup")
+# Top-level pipeline tables a stage may declare it reads (``@stage(reads=...)``).
+READABLE_TABLES = ("blend",)
 
 # Built-in stages: name -> "module:attribute", imported lazily.
 BUILTIN_STAGES: dict[str, str] = {
@@ -46,6 +48,7 @@ BUILTIN_STAGES: dict[str, str] = {
     "scatter": "flowkv.stages.transfer:scatter",
     "pass-through": "flowkv.stages.basic:pass_through",
     "take": "flowkv.stages.basic:take",
+    "segment": "flowkv.stages.chunking:segment",
 }
 
 # Built-in tier kinds: name -> "module:attribute", imported lazily.
@@ -145,6 +148,9 @@ class StageInfo:
     # A stage declared with config= whose function takes ``config``: it gets the instance, so the
     # settings are written once (the attrs class), not again as keyword parameters.
     takes_config: bool = False
+    # Top-level tables of the pipeline file it reads through ctx.services (e.g. "blend");
+    # the loader refuses a pipeline that uses the stage without them.
+    reads: frozenset[str] = frozenset()
 
     def make_config(self, **settings: Any) -> Any:
         return self.config_cls(**settings)
@@ -234,6 +240,7 @@ def stage(
     accepts_hashes: bool = False,
     lossy: bool | Callable[[Any], bool] = False,
     encodings: Callable[[Any], list[tuple[str, dict[str, Any]]]] | None = None,
+    reads: Iterable[str] = (),
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declare a generator function as a flowkv stage.
 
@@ -249,6 +256,9 @@ def stage(
     chunk hashes may stand in for), ``lossy`` (a bool, or a callable of the
     config: the [quality] gate holds such a stage to a record) and, for a
     codec, ``encodings`` (its config to ``[(codec, params)]``).
+    ``reads`` names top-level tables of the pipeline file the stage takes
+    settings from (``"blend"``: ``ctx.services.blend``); the loader refuses a
+    pipeline that uses the stage without them.
     """
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -259,13 +269,12 @@ def stage(
                 "(it yields items)",
                 kind="misuse",
             )
-        bad = set(kinds) - set(PIPELINE_KINDS)
-        if bad:
-            raise RegistryError(
-                f"stage '{name}' ({where}): unknown pipeline kind(s) {sorted(bad)}; "
-                f"use {list(PIPELINE_KINDS)}",
-                kind="misuse",
-            )
+        for names, allowed, what in ((kinds, PIPELINE_KINDS, "kinds= names unknown pipeline kind(s)"),
+                                     (reads, READABLE_TABLES, "reads= names unknown table(s)")):
+            bad = set(names) - set(allowed)
+            if bad:
+                raise RegistryError(f"stage '{name}' ({where}): {what} {sorted(bad)}; use {list(allowed)}",
+                                    kind="misuse")
         if config is not None and not attrs.has(config):
             raise RegistryError(
                 f"stage '{name}' ({where}): config= must be an attrs class", kind="misuse"
@@ -300,6 +309,7 @@ def stage(
             lossy=lossy,
             encodings=encodings,
             takes_config=takes_config,
+            reads=frozenset(reads),
         )
         func.__flowkv_stage__ = info  # type: ignore[attr-defined]
         return func

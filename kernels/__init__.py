@@ -12,6 +12,7 @@
 
 from .bench import bench_gather_scatter, copy_gbps
 from .geometry import LAYOUTS, ChunkShape, KVGeometry, canonical_view, dense_order, detect_layout
+from .packed_cpu import PackedBlockLayout, PackingError
 from .probe import TransferProbe
 from .transfer import gather, scatter, triton_available
 
@@ -19,6 +20,8 @@ __all__ = [
     "LAYOUTS",
     "ChunkShape",
     "KVGeometry",
+    "PackedBlockLayout",
+    "PackingError",
     "TransferProbe",
     "bench_gather_scatter",
     "canonical_view",

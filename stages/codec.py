@@ -64,11 +64,17 @@ def compress(chunks: Iterator[Chunk], *, ctx: RunContext, config: CompressConfig
     """
     params = config.params()
     for chunk in chunks:
+        # A segment's KV was computed where it sat: record it (memory: the object's
+        # meta; byte tiers: the payload header), so a load elsewhere re-rotates its keys.
+        start = chunk.start if chunk.segment_start is not None else None
+        if start is not None and chunk.obj is not None:
+            chunk.obj.meta["start_position"] = start
         if config.codec != "none":
             if config.window:
                 params["window"] = prefix_window(config.window, chunk.start, chunk.end,
                                                  stored_end(ctx.services, chunk.request))
-            chunk.payload = payloads.encode(chunk.kv, config.codec, key=chunk.key_str, **params)
+            chunk.payload = payloads.encode(chunk.kv, config.codec, key=chunk.key_str, segment_start=start,
+                                            **params)
             ctx.record(bytes=len(chunk.payload))
         yield chunk
 

@@ -12,7 +12,9 @@ health guard, written behind so inference never waits for them.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
+from flowkv import payload as payloads
 from flowkv.items import Chunk, RunContext
 from flowkv.registry import Role, stage
 from flowkv.tiers.chain import Entry
@@ -196,7 +198,23 @@ def get(chunks: Iterator[Chunk], *, ctx: RunContext, promote: bool = True) -> It
             chunk.kv = found.kv
         else:
             chunk.payload = found.payload
+        if chunk.segment_start is not None:
+            _note_stored_start(chunk, found)
         nbytes = chunk.kv.nbytes if chunk.kv is not None else len(chunk.payload)
         services.count(f"tier.{chunk.tier}.read_bytes", nbytes)
         ctx.record(bytes=nbytes, tier=chunk.tier)
         yield chunk
+
+
+def _note_stored_start(chunk: Chunk, found: Any) -> None:
+    """A segment chunk's stored position (object meta, else its payload's header); a chunk
+    found at another position than it sits now goes on the request's ``moved`` list."""
+    stored = found.obj.meta.get("start_position") if found.obj is not None else None
+    if stored is None and found.payload is not None:
+        try:
+            stored = payloads.read_header(found.payload).segment_start
+        except payloads.PayloadError:
+            return  # decompress refuses it, and the run ends there
+    chunk.stored_start = stored
+    if stored is not None and stored != chunk.start:
+        chunk.request.moved.append((chunk.start, chunk.end, stored))

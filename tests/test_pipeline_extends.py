@@ -16,10 +16,15 @@ PIPELINES = Path(__file__).resolve().parent.parent / "pipelines"
 LOCAL_CPU = str(builtin_pipelines()["local-cpu"])
 
 
+# The blend pipelines ship without a separator (it depends on the tokenizer): they load with one set.
+OVERRIDES = {"blend": {"blend.separator": [271, 198]}, "blend-disk": {"blend.separator": [271, 198]}}
+
+
 @pytest.mark.parametrize("name", sorted(builtin_pipelines()))
 def test_every_built_in_pipeline_loads_to_its_effective_settings_before_extends(name):
     assert (SNAPSHOTS / f"{name}.json").exists(), f"no snapshot of {name}: a new built-in needs one"
-    assert json.loads(json.dumps(effective(load_pipeline(name)))) == read_snapshot(name)
+    pipeline = load_pipeline(name, overrides=OVERRIDES.get(name))
+    assert json.loads(json.dumps(effective(pipeline))) == read_snapshot(name)
 
 
 def test_built_in_files_hold_no_stage_table_their_parent_already_has():
@@ -29,9 +34,11 @@ def test_built_in_files_hold_no_stage_table_their_parent_already_has():
             continue
         text = path.read_text()
         assert text.count("\nextends = ") == 1, path
-        assert "[[retrieve.stages]]" not in text and "[layerwise]" not in text, path
-        # The store stages a child declares are what its replace puts in place of the parent's.
-        assert text.count("[[store.stages]]") == 0 or "\nreplace = " in text, path
+        assert "[layerwise]" not in text, path
+        # The stages a child declares are what its replace puts in place of the parent's.
+        for kind in ("store", "retrieve"):
+            declared = text.count(f"[[{kind}.stages]]")
+            assert declared == 0 or f"[{kind}]\nreplace = " in text, (path, kind)
     assert "extends" not in base
 
 

@@ -191,15 +191,15 @@ EXAMPLE_FILES = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.t
 @pytest.mark.parametrize("path", EXAMPLE_FILES)
 def test_every_example_pipeline_file_validates_through_the_cli(path, site):
     """``flowkv pipeline validate`` on each example file, with what its README installs on the path:
-    the segmenter's module, the sqlite tier's distribution (pip-installed by ``site``)."""
-    extra = {"segmenter": str(EXAMPLES / "segmenter"), "sqlite_tier": str(site)}.get(Path(path).parts[0])
+    the sqlite tier's distribution (pip-installed by ``site``)."""
+    extra = {"sqlite_tier": str(site)}.get(Path(path).parts[0])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [extra, os.environ.get("PYTHONPATH")]))}
     flowkv = Path(sys.executable).parent / "flowkv"
     for action in ("validate", "show"):
         done = subprocess.run([str(flowkv), "pipeline", action, str(EXAMPLES / path)], capture_output=True,
                               text=True, timeout=600, env=env)
         assert done.returncode == 0, (action, done.stdout + done.stderr)
-    assert EXAMPLE_FILES == ["segmenter/rag-segments.toml", "serve/cluster.toml", "sqlite_tier/cpu-sqlite.toml"]
+    assert EXAMPLE_FILES == ["serve/cluster.toml", "sqlite_tier/cpu-sqlite.toml"]
 
 
 def test_the_serve_example_cluster_pipeline_runs_on_a_redis_cluster_and_traces_over_otlp(

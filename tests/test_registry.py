@@ -252,6 +252,20 @@ def test_unknown_pipeline_kind():
             yield from items
 
 
+def test_a_stage_reads_only_tables_it_may_read():
+    with pytest.raises(RegistryError, match=r"reads= names unknown table\(s\) \['blnd'\]; use \['blend'\]"):
+
+        @stage("bad-reads", reads=("blnd",))
+        def bad_reads(items):
+            yield from items
+
+    @stage("reads-blend", reads=("blend",))
+    def reads_blend(items):
+        yield from items
+
+    assert reads_blend.__flowkv_stage__.reads == {"blend"}
+
+
 def test_config_must_be_an_attrs_class():
     class Settings:
         limit = 3

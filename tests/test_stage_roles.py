@@ -46,8 +46,8 @@ def quality_record(codec: str, params: dict, agreement: float) -> dict:
 
 EXPECTED_ROLES = {
     "tokenize": Role.CHUNKER, "chunk-hash": Role.KEYER, "allocate": Role.ALLOCATOR, "gather": Role.TRANSFER,
-    "compress": Role.CODEC, "put": Role.TIER_IO, "lookup": Role.LOOKUP, "get": Role.TIER_IO,
-    "decompress": Role.CODEC, "scatter": Role.TRANSFER, "pass-through": Role.FLOW, "take": Role.FLOW,
+    "compress": Role.CODEC, "put": Role.TIER_IO, "segment": Role.SEGMENTER, "lookup": Role.LOOKUP,
+    "get": Role.TIER_IO, "decompress": Role.CODEC, "scatter": Role.TRANSFER, "pass-through": Role.FLOW, "take": Role.FLOW,
 }
 
 
@@ -139,9 +139,8 @@ def test_hash_reuse_follows_what_the_keyer_declares_not_its_name(monkeypatch):
     assert keyed_pipeline(load_pipeline("local-cpu"))
     assert keyed_pipeline(loads_pipeline(keyed_with("house_keys")))
     assert not keyed_pipeline(loads_pipeline(keyed_with("content_keys")))
-    segmenter = Path(__file__).resolve().parent.parent / "examples" / "segmenter"
-    monkeypatch.syspath_prepend(str(segmenter))
-    assert not keyed_pipeline(load_pipeline(segmenter / "rag-segments.toml"))
+    # The built-in segmenter keys chunks by their content: a caller's chained hashes cannot stand in.
+    assert not keyed_pipeline(load_pipeline("blend", overrides={"blend.separator": [271, 198]}))
 
 
 # -- the trace summary ---------------------------------------------------------------------------

@@ -302,7 +302,8 @@ class StorageManager:
         """
         objects = self._objects.get(tier)
         if objects is None:
-            blob = payload if payload is not None else payloads.encode(kv, "none", key=key)
+            start = obj.meta.get("start_position") if obj is not None else None
+            blob = payload if payload is not None else payloads.encode(kv, "none", key=key, segment_start=start)
             if isinstance(blob, memoryview):
                 blob = bytes(blob)
             if not self._write_behind[tier].offer(key, blob, tenant):
@@ -671,6 +672,8 @@ class StorageManager:
                 return False
             obj.view_bytes()[:] = blob
             obj.meta["codec"] = header.codec
+        if header.segment_start is not None:
+            obj.meta["start_position"] = header.segment_start
         admitted = memory.put(key, obj)
         obj.ref_down()
         if admitted:

@@ -24,11 +24,13 @@ from flowkv.integration._ipc import default_ipc_dir, socket_path
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+    from flowkv.pipeline_model import Pipeline
     from vllm.v1.request import Request
 
 logger = logging.getLogger("flowkv.integration")
 
-__all__ = ["ConnectorSettings", "Instance", "request_tags"]
+__all__ = ["ConnectorSettings", "Instance", "refuse_unsupported_pipeline", "request_tags"]
 
 DEFAULT_PIPELINE = "local-cpu"
 TAG_PREFIX = "flowkv.tag."
@@ -140,6 +142,25 @@ def request_tags(request: Request) -> tuple[dict[str, str], bool]:
     if lora is not None:
         tags["lora"] = str(getattr(lora, "lora_name", None) or getattr(lora, "lora_int_id", ""))
     return tags, bool(params.get(SKIP_SAVE_KEY, False))
+
+
+def refuse_unsupported_pipeline(pipeline: Pipeline) -> None:
+    """Stop vLLM at start on a pipeline the connector cannot serve as declared.
+
+    A pipeline with a ``[blend]`` table keys documents by their own tokens;
+    served through the prefix path, a document found at another place in the
+    prompt would be loaded as if it were the exact prefix (no re-rotation, no
+    recompute): wrong KV, silently. So until the blend path runs in the worker
+    the connector refuses such a pipeline instead.
+    """
+    if pipeline.blend is not None:
+        raise ValueError(
+            f"flowkv: pipeline '{pipeline.name}' ({pipeline.source}) blends documents ([blend] table: segment "
+            "keys, CacheBlend); blending is not yet supported in the vLLM connector (the selective recompute "
+            "in the worker has not landed), and serving its segments as prefixes would load KV computed at "
+            "other positions. Use a prefix pipeline such as 'local-cpu' with vLLM; 'blend' works through "
+            "flowkv.CacheEngine only for now"
+        )
 
 
 def whole_block_chunk_size(chunk_size: int, block_size: int | None, *, packed_blocks: bool) -> int:

@@ -1,0 +1,54 @@
+"""vLLM's CPU cache-write op and ISA choice, for `flowkv.kernels.PackedBlockLayout`.
+
+The layout table is drawn from vLLM's own op, so it follows whatever packing
+the installed vLLM uses; this module is the only place that names the op and
+the ISA rule, so that the kernels stay free of vLLM.
+
+    >>> layout = packed_layout(torch.bfloat16, block_size=128, head_size=64)   # doctest: +SKIP
+    >>> keys, values = layout.read_tokens(kv_caches[0], slots)                 # doctest: +SKIP
+    >>> write_tokens(layout, kv_caches[0], slots, keys, values)                 # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from flowkv.kernels import PackedBlockLayout
+
+__all__ = ["CPU_ISAS", "backend_isa", "cache_write", "packed_layout", "write_tokens"]
+
+#: the ISAs vLLM's CPU attention names (which of them this machine's build accepts varies)
+CPU_ISAS = ("amx", "vec", "vec16", "neon", "rvv", "vxe", "vsx")
+
+
+def cache_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                slot_mapping: torch.Tensor, isa: str) -> None:
+    """vLLM's cache-write op, as ``do_kv_cache_update`` calls it (scales 1, cache dtype ``auto``)."""
+    from vllm import _custom_ops as ops
+
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa)
+
+
+def backend_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str = "auto") -> str:
+    """The ISA vLLM's CPU attention backend picks for this geometry on this machine."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def packed_layout(dtype: torch.dtype, *, block_size: int, head_size: int, isa: str | None = None) -> PackedBlockLayout:
+    """The packing of vLLM's CPU cache for this geometry (the backend's ISA unless ``isa`` is given)."""
+    isa = isa or backend_isa(dtype, block_size, head_size)
+    return PackedBlockLayout.draw(cache_write, isa=isa, block_size=block_size, head_size=head_size, dtype=dtype)
+
+
+def write_tokens(layout: PackedBlockLayout, layer: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
+                 values: torch.Tensor) -> None:
+    """Write single tokens' ``keys`` / ``values`` ``(n, heads, head_size)`` at ``slots`` through vLLM's op."""
+    num_blocks, num_heads, block_size, width = layer.shape
+    key_cache, value_cache = layer.view(num_blocks, num_heads, 2 * block_size, width // 2).chunk(2, dim=2)
+    cache_write(keys.to(layer.dtype).contiguous(), values.to(layer.dtype).contiguous(), key_cache, value_cache,
+                slots.to(torch.int64), layout.isa)
