@@ -27,6 +27,7 @@ import os
 import pwd
 import shutil
 import subprocess
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable, Iterator
@@ -106,6 +107,11 @@ def in_child_as_nobody(fn: Callable[[], Any]) -> Any:
         code = 0
         try:
             os.close(read_end)
+            # OpenMP (torch's intra-op pool) is not fork-safe: a parallel region in a child of a
+            # process that ran one hangs forever. One thread runs torch's ops inline, with no region.
+            torch_module = sys.modules.get("torch")
+            if torch_module is not None:
+                torch_module.set_num_threads(1)
             os.setgroups([])
             os.setgid(NOBODY.pw_gid)
             os.setuid(NOBODY.pw_uid)
