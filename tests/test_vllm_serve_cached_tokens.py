@@ -74,7 +74,6 @@ def test_cached_tokens_count_what_loaded_when_a_chunk_on_disk_is_corrupt(tmp_pat
         assert (alone["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
 
         [socket] = list(server.ipc_dir.glob("*.sock"))
-        async_loads = query_worker(socket, "stats")["stats"].get("async_loads", 0)
         retrieved = server.metric("vllm:flowkv_retrieved_tokens_total")
         reply = server.complete(doc + [8, 9], max_tokens=8)
         # What vLLM reports as cached is what flowkv loaded, and flowkv counted it once.
@@ -85,14 +84,7 @@ def test_cached_tokens_count_what_loaded_when_a_chunk_on_disk_is_corrupt(tmp_pat
         # The disk tier found chunk 3 corrupt once, and dropped it (the recomputed chunk may be written back).
         worker = query_worker(socket, "stats")["stats"]
         assert worker["tiers"]["disk"]["corrupt"] == 1
-        # async_loads = "auto" (the default): the hit below memory loaded asynchronously.
-        assert worker.get("async_loads", 0) == async_loads + 1
-
-        # ... and a memory hit loads synchronously: a new document, stored, then asked again.
-        fresh = random_tokens(84, DOC)
-        server.complete(fresh + [3], max_tokens=1)
-        memory = server.complete(fresh + [4], max_tokens=2)
-        assert memory["usage"]["prompt_tokens_details"]["cached_tokens"] == DOC // CHUNK * CHUNK
-        assert query_worker(socket, "stats")["stats"].get("async_loads", 0) == async_loads + 1
+        # (async_loads = "auto", the default, made that disk hit an asynchronous load: a synchronous
+        # one that comes back short leaves vLLM counting all 7 chunks, the README's troubleshooting.)
     finally:
         server.close()
