@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 __all__ = [
     "Ack",
@@ -76,9 +76,16 @@ class Registration(BaseModel):
     tokenizer: str | None = Field(None, description="a tokenizer name or path, for lookups by text")
     pipeline: str = ""
     tiers: list[TierInfo] = []
-    chunk_size: int = Field(gt=0, le=MAX_CHUNK_SIZE)  # 0 would make every lookup divide by zero
+    # > 0 for an instance (0 would break every lookup); a node server (kind "server") has none: 0
+    chunk_size: int = Field(ge=0, le=MAX_CHUNK_SIZE)
     hash: str
     shared: list[str] = Field([], description="instance ids of node servers whose tiers this instance reads")
+
+    @model_validator(mode="after")
+    def _chunked(self) -> Registration:
+        if self.kind != "server" and self.chunk_size == 0:
+            raise ValueError(f"chunk_size must be > 0 for a {self.kind} holder (only a node server has none)")
+        return self
 
 
 class Event(BaseModel):
