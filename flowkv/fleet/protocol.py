@@ -76,16 +76,15 @@ class Registration(BaseModel):
     tokenizer: str | None = Field(None, description="a tokenizer name or path, for lookups by text")
     pipeline: str = ""
     tiers: list[TierInfo] = []
-    # 0 would make every lookup divide by zero; a node server (reached through the instances that
-    # share it, never looked up by its own chunks) registers 0.
+    # > 0 for an instance (0 would break every lookup); a node server (kind "server") has none: 0
     chunk_size: int = Field(ge=0, le=MAX_CHUNK_SIZE)
     hash: str
     shared: list[str] = Field([], description="instance ids of node servers whose tiers this instance reads")
 
     @model_validator(mode="after")
-    def _chunked_unless_a_server(self) -> Registration:
-        if self.chunk_size == 0 and self.kind != "server":
-            raise ValueError(f"chunk_size must be greater than 0 for a holder of kind {self.kind!r}")
+    def _chunked(self) -> Registration:
+        if self.kind != "server" and self.chunk_size == 0:
+            raise ValueError(f"chunk_size must be > 0 for a {self.kind} holder (only a node server has none)")
         return self
 
 
