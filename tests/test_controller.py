@@ -347,3 +347,24 @@ def test_the_controller_table_comes_from_the_pipeline_file_or_the_connector_extr
 
     assert default_instance_id("http://10.0.0.7:8001/", "abc") == "10.0.0.7:8001"
     assert default_instance_id(None, "0123456789abcdef").endswith("-0123456789ab")
+
+
+def test_a_token_file_under_home_is_read_as_the_readme_writes_it(tmp_path, monkeypatch):
+    """The README's extra config names "token_file": "~/.flowkv-token": the reporter expands the
+    home folder, so the instance registers with the token in the file there."""
+    process = ControllerProcess(tmp_path / "tilde").start()
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".flowkv-token").write_text(process.token_file.read_text())
+    monkeypatch.setenv("HOME", str(home))
+    reporter = Reporter(ReporterConfig(url=process.url, heartbeat_s=0.3, token_file="~/.flowkv-token"),
+                        Registration(instance_id="at-home", session=new_session(), model="m", chunk_size=16,
+                                     hash="sha256", tiers=[TierInfo(name="memory", kind="memory")])).start()
+    try:
+        reporter.offer("admit", "memory", chunk_keys(TOKENS, chunk_size=16)[0])
+        assert reporter.wait_idle(60)
+        assert reporter.counters["registrations"] == 1
+        assert process.instance("at-home")["state"] == "up"
+    finally:
+        reporter.close()
+        process.close()
