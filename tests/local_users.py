@@ -22,13 +22,17 @@ skip unless the suite runs as root.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import pwd
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -99,16 +103,22 @@ def spawn_as_nobody(script: str, *args: str) -> subprocess.Popen[str]:
                             stderr=subprocess.PIPE, text=True, cwd="/")
 
 
-def in_child_as_nobody(fn: Callable[[], Any]) -> Any:
-    """``fn()`` run in a forked child that dropped to nobody; its result (JSON), or its exception re-raised."""
+def in_child_as_nobody(fn: Callable[[], Any], timeout_s: float = 120.0) -> Any:
+    """``fn()`` run in a forked child that dropped to nobody; its result (JSON), or its exception re-raised.
+
+    A fork copies a process whose other threads (telemetry exporters, gRPC, torch's pool) may hold
+    locks at that instant, and nothing in the child will ever release them. So the child runs no
+    garbage collection (the parent's unreachable generators would run their ``finally`` blocks and
+    take such a lock) and torch on one thread (OpenMP is not fork-safe), and a child that still
+    hangs is killed after ``timeout_s``: a failure, never a suite that waits forever.
+    """
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
         code = 0
         try:
+            gc.disable()
             os.close(read_end)
-            # OpenMP (torch's intra-op pool) is not fork-safe: a parallel region in a child of a
-            # process that ran one hangs forever. One thread runs torch's ops inline, with no region.
             torch_module = sys.modules.get("torch")
             if torch_module is not None:
                 torch_module.set_num_threads(1)
@@ -122,9 +132,21 @@ def in_child_as_nobody(fn: Callable[[], Any]) -> Any:
             json.dump(out, pipe)
         os._exit(code)
     os.close(write_end)
-    with os.fdopen(read_end) as pipe:
-        text = pipe.read()
+    deadline = time.monotonic() + timeout_s
+    chunks: list[bytes] = []
+    with os.fdopen(read_end, "rb") as pipe:
+        while True:
+            ready, _, _ = select.select([pipe], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise AssertionError(f"as nobody: the child did not answer within {timeout_s:.0f} s (killed)")
+            chunk = os.read(pipe.fileno(), 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
     os.waitpid(pid, 0)
+    text = b"".join(chunks).decode()
     out = json.loads(text) if text else {"error": "the child died without an answer"}
     if "error" in out:
         raise AssertionError(f"as nobody: {out['error']}")
