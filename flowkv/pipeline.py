@@ -146,7 +146,7 @@ _SECTIONS = {
     "quality": QualitySpec,
     "controller": ControllerSpec,
 }
-_SIZE_FIELDS = ("capacity", "max_bytes", "slab_size")
+_SIZE_FIELDS = ("capacity", "max_bytes", "slab_size", "prefault_window")
 
 
 def _make_converter() -> cattrs.Converter:

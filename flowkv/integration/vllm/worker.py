@@ -111,6 +111,10 @@ class ConnectorWorker:
                                        reached=self._reached, load_failed=self._load_failed,
                                        wait_limit_s=pipeline.section.pin_timeout_s / 2)
         self._fleet: FleetLink | None = None
+        # The memory arena whose pre-fault refill keeps off vLLM's forward passes (None: the
+        # engine stores into a node server's arena, or pinned memory); whether a step is open.
+        self._arena: Any = None
+        self._in_step = False
 
     # -- set-up and the scheduler's questions ---------------------------------
 
@@ -137,6 +141,7 @@ class ConnectorWorker:
             world_size=self._instance.world_size,
             rank=rank,
         )
+        self._arena = getattr(self._engine.memory, "arena", None)
         if self._engine.chunk_size % self._block_size and self._block_size % self._engine.chunk_size:
             logger.warning(
                 "flowkv: chunk size %d and vLLM block size %d do not divide each other; "
@@ -205,6 +210,10 @@ class ConnectorWorker:
         if self._step is not None:  # a step that never reached wait_for_save
             self._step.end()
             self._step = None
+        if self._arena is not None and not self._in_step:
+            # From here to wait_for_save the model computes: the arena's pre-fault waits.
+            self._arena.begin_busy()
+            self._in_step = True
         if self._engine is not None and isinstance(meta, FlowKVMetadata) and (meta.loads or meta.saves):
             self._step_trace(meta)
 
@@ -391,6 +400,9 @@ class ConnectorWorker:
             self._finish_layerwise_loads()
             self._finish_saves(meta)
         finally:
+            if self._in_step:
+                self._arena.end_busy()
+                self._in_step = False
             if self._step is not None:
                 self._step.end()
             self._step = None
