@@ -13,7 +13,7 @@
 from .bench import bench_gather_scatter, copy_gbps
 from .geometry import LAYOUTS, ChunkShape, KVGeometry, canonical_view, dense_order, detect_layout
 from .probe import TransferProbe
-from .transfer import gather, scatter, triton_available
+from .transfer import gather, gather_many, scatter, scatter_many, triton_available
 
 __all__ = [
     "LAYOUTS",
@@ -26,6 +26,8 @@ __all__ = [
     "dense_order",
     "detect_layout",
     "gather",
+    "gather_many",
     "scatter",
+    "scatter_many",
     "triton_available",
 ]

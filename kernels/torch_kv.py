@@ -389,3 +389,62 @@ def scatter_groups(chunk: torch.Tensor, groups: list[LayerGroup], slots: torch.T
     dense = _empty_in_order(chunk, kept.numel())
     dense.copy_(chunk.index_select(2, kept))
     _move_dense(groups, slots[kept], dense, to_chunk=False)
+
+
+def _joined_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], group: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """For chunk buffers that follow each other in memory, alike in shape and layout (an
+    arena hands out a request's chunks back to back): (cache rows, the row index of all of
+    them, their rows as one ``(N, row)`` tensor), or None when they cannot move as one copy."""
+    first = parts[0][1]
+    order = dense_order(first)
+    if order is None:
+        return None
+    storage = first.untyped_storage().data_ptr()
+    end = first.data_ptr()
+    for _, chunk in parts:
+        if (chunk.shape != first.shape or chunk.stride() != first.stride() or chunk.data_ptr() != end
+                or chunk.untyped_storage().data_ptr() != storage):
+            return None
+        end += chunk.numel() * chunk.element_size()
+    indices: list[torch.Tensor] = []
+    rows_of: torch.Tensor | None = None
+    row = 0
+    block_size = group.shape[3]
+    for slots, chunk in parts:
+        plan = _row_plan(group, chunk, order, slots, whole_block_ids(slots, block_size))
+        if plan is None or (row and plan[2] != row):
+            return None
+        rows_of, index, row = plan
+        indices.append(index)
+    assert rows_of is not None
+    note_row_bytes(row * group.element_size())
+    total = sum(index.numel() for index in indices)
+    joined = first.as_strided((total, row), (row, 1), first.storage_offset())
+    return rows_of, torch.cat(indices), joined
+
+
+def move_joined(groups: list[LayerGroup], parts: list[tuple[torch.Tensor, torch.Tensor]], *,
+                to_chunk: bool) -> bool:
+    """Gather (``to_chunk``) or scatter every ``(slots, chunk)`` of ``parts`` as one copy, when
+    the chunks follow each other in memory and move whole layer groups with no skipped slots;
+    False (nothing moved) when they cannot."""
+    if len(groups) != 1 or len(parts) < 2:
+        return False
+    _, group = groups[0]
+    if any(chunk.shape[0] != group.shape[0] for _, chunk in parts):
+        return False
+    found = _joined_rows(parts, group)
+    if found is None:
+        return False
+    rows, index, chunk_rows = found
+    bits = _widest_int(chunk_rows.shape[1] * chunk_rows.element_size(), chunk_rows)
+    cache_rows, chunk_rows = rows.view(bits), chunk_rows.view(bits)
+    row_bytes = chunk_rows.shape[1] * chunk_rows.element_size()
+    if cache_rows.device.type == "cpu" and row_bytes >= NUMPY_MIN_ROW_BYTES and (NUMPY_GATHER or not to_chunk):
+        _copy_rows_numpy(cache_rows, index, chunk_rows, to_chunk=to_chunk)
+    elif to_chunk:
+        torch.index_select(cache_rows, 0, index, out=chunk_rows)
+    else:
+        cache_rows.index_copy_(0, index, chunk_rows)
+    return True
