@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("flowkv.integration")
 
 __all__ = ["ConnectorWorker"]
+
+# With nothing counted since the last report, the stats are taken again after this long anyway
+# (the tiers' counters move in the background: write-behind, evictions by another engine).
+_STATS_EVERY_S = 1.0
 
 
 @dataclass
@@ -97,6 +102,8 @@ class ConnectorWorker:
         # KV this step computes past that point is wrong and must not be stored.
         self._short_loads: dict[str, int] = {}
         self._stats_at_last_report: dict[str, Any] | None = None
+        self._changes_reported = -1  # the engine's accounting.changes at the last report
+        self._reported_at = 0.0  # time.monotonic() of the last report
         # Layerwise: a layer's index is its position in register_kv_caches' dict.
         self._layer_index: dict[str, int] = {}
         self._unknown_layers: set[str] = set()
@@ -473,6 +480,13 @@ class ConnectorWorker:
             return None
         from flowkv.integration.vllm.metrics import FlowKVStats, snapshot
 
+        # A decoding batch's steps change nothing flowkv counts: skip the snapshot (the tiers'
+        # own counters, which write-behind moves in the background, at least once a second).
+        changes = self._engine.accounting.changes
+        now_s = time.monotonic()
+        if changes == self._changes_reported and now_s - self._reported_at < _STATS_EVERY_S:
+            return None
+        self._changes_reported, self._reported_at = changes, now_s
         with self._engine_lock:
             now = snapshot(self._engine.stats())
             latencies = self._engine.drain_latencies()
