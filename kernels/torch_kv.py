@@ -295,6 +295,17 @@ def _copy_rows_numpy(cache_rows: torch.Tensor, index: torch.Tensor, chunk_rows: 
     cache, rows, chunk = cache_rows.numpy(), index.numpy(), chunk_rows.numpy()
     if rows.size and (rows.min() < 0 or rows.max() >= cache.shape[0]):  # "clip" below must never clip
         raise IndexError(f"row index out of range [0, {cache.shape[0]}): a kernel planning bug")
+    if chunk.ndim == 3:
+        # (chunks, rows, row) with gaps between the chunks: a piece is one chunk, whose rows are
+        # contiguous (numpy would buffer a copy into a strided ``out``).
+        def piece(i: int) -> None:
+            if to_chunk:
+                np.take(cache, rows[i], axis=0, out=chunk[i], mode="clip")
+            else:
+                cache[rows[i]] = chunk[i]
+
+        _copier.run(chunk.shape[0], piece)
+        return
     per_piece = max(1, PIECE_BYTES // max(1, chunk.shape[1] * chunk.itemsize))
     count = -(-rows.size // per_piece)
 
@@ -393,20 +404,26 @@ def scatter_groups(chunk: torch.Tensor, groups: list[LayerGroup], slots: torch.T
 
 def _joined_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], group: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """For chunk buffers that follow each other in memory, alike in shape and layout (an
-    arena hands out a request's chunks back to back): (cache rows, the row index of all of
-    them, their rows as one ``(N, row)`` tensor), or None when they cannot move as one copy."""
+    """For chunk buffers alike in shape and layout that lie a fixed distance apart in one
+    storage (an arena hands out a request's chunks back to back; one layer of each, for a
+    layerwise copy): (cache rows, the row index of all of them, their rows), or None when
+    they cannot move as one copy. Buffers that follow each other give ``(N, row)`` rows and
+    an index of N; buffers with gaps between them (one layer's slice of each chunk) give
+    ``(chunks, rows per chunk, row)`` rows and a ``(chunks, rows per chunk)`` index."""
     first = parts[0][1]
     order = dense_order(first)
     if order is None:
         return None
     storage = first.untyped_storage().data_ptr()
-    end = first.data_ptr()
-    for _, chunk in parts:
-        if (chunk.shape != first.shape or chunk.stride() != first.stride() or chunk.data_ptr() != end
+    nbytes = first.numel() * first.element_size()
+    pitch = parts[1][1].data_ptr() - first.data_ptr()
+    if pitch < nbytes:
+        return None
+    for i, (_, chunk) in enumerate(parts):
+        if (chunk.shape != first.shape or chunk.stride() != first.stride()
+                or chunk.data_ptr() != first.data_ptr() + i * pitch
                 or chunk.untyped_storage().data_ptr() != storage):
             return None
-        end += chunk.numel() * chunk.element_size()
     indices: list[torch.Tensor] = []
     rows_of: torch.Tensor | None = None
     row = 0
@@ -419,9 +436,15 @@ def _joined_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], group: torch.Te
         indices.append(index)
     assert rows_of is not None
     note_row_bytes(row * group.element_size())
-    total = sum(index.numel() for index in indices)
-    joined = first.as_strided((total, row), (row, 1), first.storage_offset())
-    return rows_of, torch.cat(indices), joined
+    if pitch == nbytes:
+        total = sum(index.numel() for index in indices)
+        return rows_of, torch.cat(indices), first.as_strided((total, row), (row, 1), first.storage_offset())
+    if pitch % (row * first.element_size()):
+        return None
+    per_chunk = indices[0].numel()
+    joined = first.as_strided((len(parts), per_chunk, row), (pitch // first.element_size(), row, 1),
+                              first.storage_offset())
+    return rows_of, torch.stack(indices), joined
 
 
 def move_joined(groups: list[LayerGroup], parts: list[tuple[torch.Tensor, torch.Tensor]], *,
@@ -438,10 +461,15 @@ def move_joined(groups: list[LayerGroup], parts: list[tuple[torch.Tensor, torch.
     if found is None:
         return False
     rows, index, chunk_rows = found
-    bits = _widest_int(chunk_rows.shape[1] * chunk_rows.element_size(), chunk_rows)
+    bits = _widest_int(chunk_rows.shape[-1] * chunk_rows.element_size(), chunk_rows)
     cache_rows, chunk_rows = rows.view(bits), chunk_rows.view(bits)
-    row_bytes = chunk_rows.shape[1] * chunk_rows.element_size()
-    if cache_rows.device.type == "cpu" and row_bytes >= NUMPY_MIN_ROW_BYTES and (NUMPY_GATHER or not to_chunk):
+    row_bytes = chunk_rows.shape[-1] * chunk_rows.element_size()
+    cpu = cache_rows.device.type == "cpu"
+    if chunk_rows.dim() == 3:  # rows with gaps between chunks: numpy writes through the strided view
+        if not cpu:
+            return False
+        _copy_rows_numpy(cache_rows, index, chunk_rows, to_chunk=to_chunk)
+    elif cpu and row_bytes >= NUMPY_MIN_ROW_BYTES and (NUMPY_GATHER or not to_chunk):
         _copy_rows_numpy(cache_rows, index, chunk_rows, to_chunk=to_chunk)
     elif to_chunk:
         torch.index_select(cache_rows, 0, index, out=chunk_rows)

@@ -586,14 +586,15 @@ def test_chunks_that_do_not_follow_each_other_move_one_by_one():
 
     g = geometry_for("flash_kv_nhd", block_size=16)
     source = make_paged_kv(g, NUM_BLOCKS, seed=6)
-    slots = random_slot_mapping(64, g, NUM_BLOCKS, seed=7)
+    slots = random_slot_mapping(96, g, NUM_BLOCKS, seed=7)
     arena = MemoryArena(8 << 20, slab_bytes=1 << 20, prefault="off")
-    first, _gap, second = _arena_chunks(g, arena, [32, 32, 32])
-    parts = [(slots[:32], first.tensor), (slots[32:], second.tensor)]
+    first, second, _gap, third = _arena_chunks(g, arena, [32, 32, 32, 32])  # not a fixed distance apart
+    parts = [(slots[:32], first.tensor), (slots[32:64], second.tensor), (slots[64:], third.tensor)]
     with _CountIndexCopies() as counted:
         gather_many(source, g, parts)
-    assert counted.calls == 2
-    assert torch.equal(torch.cat([first.tensor, second.tensor], dim=2), reference_gather(source, g, slots))
+    assert counted.calls == 3
+    assert torch.equal(torch.cat([first.tensor, second.tensor, third.tensor], dim=2), reference_gather(source, g, slots))
+    slots = slots[:64]
     # A skipped slot (-1) anywhere: each part on its own, the skipped row kept as it was.
     skipping = slots.clone()
     skipping[40] = -1
@@ -618,3 +619,27 @@ def test_chunk_batches_are_checked_like_one_call():
         gather_many(source, g, [(slots[:32], g.empty_chunk(32)), (slots[32:], g.empty_chunk(16))])
     with pytest.raises(ValueError, match="slot_mapping holds slots"):
         gather_many(source, g, [(slots[:32], g.empty_chunk(32)), (slots[32:] + 10_000, g.empty_chunk(32))])
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash_kv_nhd"])
+def test_one_layer_of_chunks_back_to_back_moves_in_one_copy(layout):
+    """Layerwise: layer l of each chunk is a slice with gaps between the chunks; still one copy."""
+    from flowkv.kernels import gather_many, scatter_many
+    from flowkv.memory import MemoryArena
+
+    g = geometry_for(layout, block_size=16)
+    source = make_paged_kv(g, NUM_BLOCKS, seed=11)
+    slots = random_slot_mapping(96, g, NUM_BLOCKS, seed=12)
+    arena = MemoryArena(8 << 20, slab_bytes=1 << 20, prefault="off")
+    objs = _arena_chunks(g, arena, [32, 32, 32])
+    for layer in range(g.num_layers):
+        parts = [(slots[i * 32:(i + 1) * 32], obj.tensor[layer:layer + 1]) for i, obj in enumerate(objs)]
+        with _CountIndexCopies() as counted:
+            gather_many(source, g, parts, layers=[layer])
+        assert counted.calls == 0  # not one index_select per chunk: one numpy copy over the strided rows
+    assert torch.equal(torch.cat([obj.tensor for obj in objs], dim=2), reference_gather(source, g, slots))
+    target = make_paged_kv(g, NUM_BLOCKS, seed=13, fill=False)
+    for layer in range(g.num_layers):
+        scatter_many([(slots[i * 32:(i + 1) * 32], obj.tensor[layer:layer + 1]) for i, obj in enumerate(objs)],
+                     target, g, layers=[layer])
+    assert torch.equal(reference_gather(target, g, slots), reference_gather(source, g, slots))
