@@ -365,7 +365,10 @@ class ResidentBuffer:
         with self._cond:
             self._busy = max(0, self._busy - 1)
             self._last_activity = time.monotonic()
-            self._cond.notify_all()
+            if self._thread is not None and self._resident < self._target:
+                # Only a refill with work left waits for this; a full window sleeps on (no
+                # thread woken per step of a decoding batch).
+                self._cond.notify_all()
 
     @contextmanager
     def busy(self) -> Iterator[None]:
