@@ -38,10 +38,14 @@ class Accounting:
         self._failures = 0  # failed runs in a row
         self._unhealthy_until = 0.0
         self._closed = False
+        # Bumped by every change to the counters or latencies: a reader that saw the same
+        # number last time knows nothing changed without copying them (vLLM asks every step).
+        self.changes = 0
 
     def count(self, name: str, n: float = 1) -> None:
         with self._lock:
             self._counters[name] += n
+            self.changes += 1
 
     def counters(self) -> dict[str, float]:
         """A snapshot of every counter."""
@@ -53,6 +57,7 @@ class Accounting:
         ms = (time.perf_counter() - started) * 1e3
         with self._lock:
             self._counters[f"{kind}_ms"] += ms
+            self.changes += 1
             observations = self._latencies.setdefault(kind, [])
             if len(observations) < _MAX_OBSERVATIONS:
                 observations.append(ms)
@@ -71,6 +76,7 @@ class Accounting:
         """A run raised: count it; after a streak of failures, skip work for a while."""
         with self._lock:
             self._counters[f"{kind}_errors"] += 1
+            self.changes += 1
             self._failures += 1
             tripped = self._failures >= FAILURES_BEFORE_UNHEALTHY
             if tripped:

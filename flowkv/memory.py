@@ -34,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 import threading
 import weakref
@@ -41,7 +42,7 @@ from typing import Any
 
 import torch
 
-from flowkv.resident import PrefaultMode, ResidentBuffer
+from flowkv.resident import DEFAULT_WINDOW_BYTES, PrefaultMode, ResidentBuffer
 from flowkv.sizes import parse_size
 
 __all__ = [
@@ -199,7 +200,9 @@ class MemoryArena:
     A CPU arena that is not pinned lives in a `flowkv.resident.ResidentBuffer`
     (``backing``, or a new anonymous one): ``prefault`` (``"background"``,
     ``"now"``, ``"off"``) makes its pages resident before stores write them,
-    so a fresh arena does not make stores pay first-touch page faults;
+    so a fresh arena does not make stores pay first-touch page faults
+    (background: a window of ``prefault_window`` bytes ahead of the highest
+    page handed out, refilled while the engine is idle — see `busy`);
     ``huge_pages`` asks for transparent huge pages where the OS offers them.
     `resident_bytes` and `prefault_state` say how far that got. (Pinned
     memory is resident already; a GPU arena is the device's.)
@@ -208,7 +211,7 @@ class MemoryArena:
     def __init__(self, capacity_bytes: int | str, *, slab_bytes: int | str, page_bytes: int | str | None = None,
                  pin_memory: bool = False, device: str | torch.device = "cpu",
                  prefault: PrefaultMode = "background", huge_pages: bool = True,
-                 backing: ResidentBuffer | None = None) -> None:
+                 backing: ResidentBuffer | None = None, prefault_window: int | str | None = None) -> None:
         capacity = parse_size(capacity_bytes)
         slab = parse_size(slab_bytes)
         if slab <= 0:
@@ -242,7 +245,9 @@ class MemoryArena:
                                  f"{num_pages * page} B")
             self.backing = backing
         elif self.device.type == "cpu" and not self.pinned:
-            self.backing = ResidentBuffer.anonymous(num_pages * page, prefault=prefault, huge_pages=huge_pages)
+            window = DEFAULT_WINDOW_BYTES if prefault_window is None else parse_size(prefault_window)
+            self.backing = ResidentBuffer.anonymous(num_pages * page, prefault=prefault, huge_pages=huge_pages,
+                                                    window_bytes=window)
         #: the one backing buffer
         if self.backing is not None:
             self.buffer = self.backing.tensor[: num_pages * page]
@@ -282,6 +287,20 @@ class MemoryArena:
     def wait_resident(self, timeout: float | None = None) -> bool:
         """Wait until the pre-fault is over (done, or stopped at the memory reserve); False on timeout."""
         return True if self.backing is None else self.backing.wait_resident(timeout)
+
+    def busy(self) -> contextlib.AbstractContextManager[None]:
+        """A section of the engine's work (a forward pass) that the pre-fault's refill keeps off."""
+        return contextlib.nullcontext() if self.backing is None else self.backing.busy()
+
+    def begin_busy(self) -> None:
+        """The engine's work begins (see `flowkv.resident.ResidentBuffer.begin_busy`)."""
+        if self.backing is not None:
+            self.backing.begin_busy()
+
+    def end_busy(self) -> None:
+        """The work `begin_busy` announced is over."""
+        if self.backing is not None:
+            self.backing.end_busy()
 
     @property
     def num_slabs(self) -> int:
@@ -335,6 +354,8 @@ class MemoryArena:
         first = self._take_run(pages)
         if first is None:
             return None
+        if self.backing is not None:  # the pre-fault's window moves with the highest page handed out
+            self.backing.note_allocated((first + pages) * self.page_bytes)
         start = first * self.page_bytes
         data = self.buffer[start:start + nbytes].view(dtype)
         if order is None or tuple(order) == tuple(range(len(shape))):

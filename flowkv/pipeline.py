@@ -148,7 +148,7 @@ _SECTIONS = {
     "controller": ControllerSpec,
     "blend": BlendSpec,
 }
-_SIZE_FIELDS = ("capacity", "max_bytes", "slab_size", "max_value_bytes")
+_SIZE_FIELDS = ("capacity", "max_bytes", "slab_size", "max_value_bytes", "prefault_window")
 
 
 def _make_converter() -> cattrs.Converter:

@@ -14,7 +14,7 @@ from .bench import bench_gather_scatter, copy_gbps
 from .geometry import LAYOUTS, ChunkShape, KVGeometry, canonical_view, dense_order, detect_layout
 from .packed_cpu import PackedBlockLayout, PackingError
 from .probe import TransferProbe
-from .transfer import gather, scatter, triton_available
+from .transfer import gather, gather_many, scatter, scatter_many, triton_available
 
 __all__ = [
     "LAYOUTS",
@@ -29,6 +29,8 @@ __all__ = [
     "dense_order",
     "detect_layout",
     "gather",
+    "gather_many",
     "scatter",
+    "scatter_many",
     "triton_available",
 ]

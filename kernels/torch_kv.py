@@ -23,13 +23,12 @@ All layers that are views of one storage at a fixed distance (vLLM's CPU
 backend allocates one buffer for all layers) form one group and move in one
 call; the row index then spans the layers too. Rows are moved as the widest
 integer type that tiles them: a bitwise copy that works for dtypes the index
-kernels lack (fp8). Gather is one ``index_select`` into the chunk's rows
-(a memcpy per row, over torch's threads). Scatter is one ``index_copy_``,
-except rows of 2 KiB and more into a CPU cache: ``index_copy_`` copies element
-by element, so those are copied by numpy's row assignment, one memcpy per row
+kernels lack (fp8). Rows of 2 KiB and more on the CPU are copied by numpy
+(``np.take`` for a gather, row assignment for a scatter), one memcpy per row
 without the GIL, by the calling thread and a helper thread that takes pieces
 while it is free (no OpenMP team, whose barrier waits for a core another
-process holds; see ``NUMPY_GATHER`` for gathering so too).
+process holds; see ``NUMPY_GATHER``). Shorter rows, and GPU caches, use one
+``index_select`` (gather) or ``index_copy_`` (scatter).
 
 The reference path (``_gather_by_indexing`` / ``_scatter_by_indexing``) uses
 advanced indexing on the canonical view; it is used when no row longer than
@@ -60,10 +59,12 @@ LayerGroup = tuple[int, torch.Tensor]
 # which pays less per row.
 NUMPY_MIN_ROW_BYTES = 2048
 # Gather with numpy too (instead of index_select, which parallelizes a memcpy per row over
-# torch's OpenMP threads). Off: on this project's machine index_select was 0.1-0.25x of a
-# copy faster when the second core was free, but a parallel region waits at its barrier
-# for a core another process holds (8 ms for 64 rows, against 8 us single-threaded).
-NUMPY_GATHER = False
+# torch's OpenMP threads: inside vLLM's worker torch has one thread, and a parallel region
+# waits at its barrier for a core another process holds). Measured here with 1 torch thread,
+# a request of 4,096 tokens gathered as one copy (medians of 8, interleaved): 1.33 against
+# 0.89 GB/s with the second core free (the helper thread takes half), 0.89 against 0.77 GB/s
+# with a forward-like load on it.
+NUMPY_GATHER = True
 # A CPU copy is cut into pieces of about this many bytes, which the caller and one helper
 # thread take turns at (see `_RowCopier`).
 PIECE_BYTES = 2 << 20
@@ -295,6 +296,17 @@ def _copy_rows_numpy(cache_rows: torch.Tensor, index: torch.Tensor, chunk_rows: 
     cache, rows, chunk = cache_rows.numpy(), index.numpy(), chunk_rows.numpy()
     if rows.size and (rows.min() < 0 or rows.max() >= cache.shape[0]):  # "clip" below must never clip
         raise IndexError(f"row index out of range [0, {cache.shape[0]}): a kernel planning bug")
+    if chunk.ndim == 3:
+        # (chunks, rows, row) with gaps between the chunks: a piece is one chunk, whose rows are
+        # contiguous (numpy would buffer a copy into a strided ``out``).
+        def piece(i: int) -> None:
+            if to_chunk:
+                np.take(cache, rows[i], axis=0, out=chunk[i], mode="clip")
+            else:
+                cache[rows[i]] = chunk[i]
+
+        _copier.run(chunk.shape[0], piece)
+        return
     per_piece = max(1, PIECE_BYTES // max(1, chunk.shape[1] * chunk.itemsize))
     count = -(-rows.size // per_piece)
 
@@ -389,3 +401,79 @@ def scatter_groups(chunk: torch.Tensor, groups: list[LayerGroup], slots: torch.T
     dense = _empty_in_order(chunk, kept.numel())
     dense.copy_(chunk.index_select(2, kept))
     _move_dense(groups, slots[kept], dense, to_chunk=False)
+
+
+def _joined_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], group: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """For chunk buffers alike in shape and layout that lie a fixed distance apart in one
+    storage (an arena hands out a request's chunks back to back; one layer of each, for a
+    layerwise copy): (cache rows, the row index of all of them, their rows), or None when
+    they cannot move as one copy. Buffers that follow each other give ``(N, row)`` rows and
+    an index of N; buffers with gaps between them (one layer's slice of each chunk) give
+    ``(chunks, rows per chunk, row)`` rows and a ``(chunks, rows per chunk)`` index."""
+    first = parts[0][1]
+    order = dense_order(first)
+    if order is None:
+        return None
+    storage = first.untyped_storage().data_ptr()
+    nbytes = first.numel() * first.element_size()
+    pitch = parts[1][1].data_ptr() - first.data_ptr()
+    if pitch < nbytes:
+        return None
+    for i, (_, chunk) in enumerate(parts):
+        if (chunk.shape != first.shape or chunk.stride() != first.stride()
+                or chunk.data_ptr() != first.data_ptr() + i * pitch
+                or chunk.untyped_storage().data_ptr() != storage):
+            return None
+    indices: list[torch.Tensor] = []
+    rows_of: torch.Tensor | None = None
+    row = 0
+    block_size = group.shape[3]
+    for slots, chunk in parts:
+        plan = _row_plan(group, chunk, order, slots, whole_block_ids(slots, block_size))
+        if plan is None or (row and plan[2] != row):
+            return None
+        rows_of, index, row = plan
+        indices.append(index)
+    assert rows_of is not None
+    note_row_bytes(row * group.element_size())
+    if pitch == nbytes:
+        total = sum(index.numel() for index in indices)
+        return rows_of, torch.cat(indices), first.as_strided((total, row), (row, 1), first.storage_offset())
+    if pitch % (row * first.element_size()):
+        return None
+    per_chunk = indices[0].numel()
+    joined = first.as_strided((len(parts), per_chunk, row), (pitch // first.element_size(), row, 1),
+                              first.storage_offset())
+    return rows_of, torch.stack(indices), joined
+
+
+def move_joined(groups: list[LayerGroup], parts: list[tuple[torch.Tensor, torch.Tensor]], *,
+                to_chunk: bool) -> bool:
+    """Gather (``to_chunk``) or scatter every ``(slots, chunk)`` of ``parts`` as one copy, when
+    the chunks follow each other in memory and move whole layer groups with no skipped slots;
+    False (nothing moved) when they cannot."""
+    if len(groups) != 1 or len(parts) < 2:
+        return False
+    _, group = groups[0]
+    if any(chunk.shape[0] != group.shape[0] for _, chunk in parts):
+        return False
+    found = _joined_rows(parts, group)
+    if found is None:
+        return False
+    rows, index, chunk_rows = found
+    bits = _widest_int(chunk_rows.shape[-1] * chunk_rows.element_size(), chunk_rows)
+    cache_rows, chunk_rows = rows.view(bits), chunk_rows.view(bits)
+    row_bytes = chunk_rows.shape[-1] * chunk_rows.element_size()
+    cpu = cache_rows.device.type == "cpu"
+    if chunk_rows.dim() == 3:  # rows with gaps between chunks: numpy writes through the strided view
+        if not cpu:
+            return False
+        _copy_rows_numpy(cache_rows, index, chunk_rows, to_chunk=to_chunk)
+    elif cpu and row_bytes >= NUMPY_MIN_ROW_BYTES and (NUMPY_GATHER or not to_chunk):
+        _copy_rows_numpy(cache_rows, index, chunk_rows, to_chunk=to_chunk)
+    elif to_chunk:
+        torch.index_select(cache_rows, 0, index, out=chunk_rows)
+    else:
+        cache_rows.index_copy_(0, index, chunk_rows)
+    return True

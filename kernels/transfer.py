@@ -8,6 +8,7 @@ it imports, everything else uses torch.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import weakref
@@ -19,9 +20,13 @@ import torch
 from . import torch_kv
 from .geometry import KVGeometry, as_layer_list, canonical_view, dense_order
 
-__all__ = ["gather", "scatter", "triton_available"]
+__all__ = ["gather", "gather_many", "scatter", "scatter_many", "triton_available"]
 
 KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+
+# Whether `gather_many` / `scatter_many` join chunks that follow each other in memory into
+# one copy (off: one call per chunk, as before they existed; for measuring the difference).
+JOIN_CHUNKS = True
 
 
 def triton_available() -> bool:
@@ -113,22 +118,36 @@ def _prepare(
     layers: Sequence[int] | None,
     chunk_name: str,
 ) -> tuple[list[torch_kv.LayerGroup], torch.Tensor]:
+    cache_layers, layer_ids = _layers(kv_caches, geometry, layers)
+    _check_slot_mapping(slot_mapping)
+    _check_chunk(chunk, geometry, len(layer_ids), slot_mapping.numel(), cache_layers[0].device, chunk_name)
+    return _groups_and_slots(cache_layers, layer_ids, geometry, slot_mapping)
+
+
+def _layers(kv_caches: KVCaches, geometry: KVGeometry,
+            layers: Sequence[int] | None) -> tuple[list[torch.Tensor], list[int]]:
     cache_layers = as_layer_list(kv_caches)
     if len(cache_layers) != geometry.num_layers:
         raise ValueError(f"got {len(cache_layers)} KV layers, geometry has {geometry.num_layers}")
     if layers is None:
-        layer_ids = list(range(geometry.num_layers))
-    else:
-        layer_ids = [int(i) for i in layers]
-        bad = [i for i in layer_ids if not 0 <= i < geometry.num_layers]
-        if bad or not layer_ids:
-            raise ValueError(f"layers {list(layers)} must be non-empty indices below {geometry.num_layers}")
+        return cache_layers, list(range(geometry.num_layers))
+    layer_ids = [int(i) for i in layers]
+    bad = [i for i in layer_ids if not 0 <= i < geometry.num_layers]
+    if bad or not layer_ids:
+        raise ValueError(f"layers {list(layers)} must be non-empty indices below {geometry.num_layers}")
+    return cache_layers, layer_ids
+
+
+def _check_slot_mapping(slot_mapping: torch.Tensor) -> None:
     if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
         raise ValueError("slot_mapping must be a 1-D integer tensor")
     if slot_mapping.dtype.is_floating_point or slot_mapping.dtype == torch.bool:
         raise ValueError(f"slot_mapping must hold integers, got {slot_mapping.dtype}")
-    device = cache_layers[0].device
-    expected = (len(layer_ids), geometry.kv, slot_mapping.numel(), geometry.num_kv_heads, geometry.head_size)
+
+
+def _check_chunk(chunk: torch.Tensor, geometry: KVGeometry, num_layers: int, num_tokens: int,
+                 device: torch.device, chunk_name: str) -> None:
+    expected = (num_layers, geometry.kv, num_tokens, geometry.num_kv_heads, geometry.head_size)
     if tuple(chunk.shape) != expected:
         raise ValueError(f"{chunk_name} has shape {tuple(chunk.shape)}, expected {expected}")
     # A chunk buffer on the CPU (the engine's arena) with a cache on a GPU moves
@@ -146,6 +165,10 @@ def _prepare(
                          f"outermost and head_size innermost (got shape {tuple(chunk.shape)}, "
                          f"strides {chunk.stride()})")
 
+
+def _groups_and_slots(cache_layers: list[torch.Tensor], layer_ids: list[int], geometry: KVGeometry,
+                      slot_mapping: torch.Tensor) -> tuple[list[torch_kv.LayerGroup], torch.Tensor]:
+    device = cache_layers[0].device
     groups = _cached_layer_groups([cache_layers[i] for i in layer_ids], geometry)
     num_blocks = groups[0][1].shape[2]
     if any(group.shape[2] != num_blocks for _, group in groups):
@@ -232,3 +255,77 @@ def scatter(
         triton_kv.scatter_groups(chunk, groups, slots)
     else:
         torch_kv.scatter_groups(chunk, groups, slots)
+
+
+def _joinable(kv_caches: KVCaches, geometry: KVGeometry, parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
+              layers: Sequence[int] | None, impl: str | None, name: str
+              ) -> tuple[list[torch_kv.LayerGroup], list[tuple[torch.Tensor, torch.Tensor]]] | None:
+    """The layer groups and the parts (slots as int64) for moving ``parts`` as one copy,
+    checked as `gather` checks one call (the slots all at once), or None when they must move
+    one by one (a GPU cache, Triton, a skipped slot)."""
+    if len(parts) < 2 or not JOIN_CHUNKS:
+        return None
+    cache_layers, layer_ids = _layers(kv_caches, geometry, layers)
+    if cache_layers[0].device.type != "cpu" or _choose_impl(impl, cache_layers[0].device) != "torch":
+        return None
+    for slot_mapping, chunk in parts:
+        _check_slot_mapping(slot_mapping)
+        if slot_mapping.device.type != "cpu":
+            return None
+        _check_chunk(chunk, geometry, len(layer_ids), slot_mapping.numel(), cache_layers[0].device, name)
+    joined = torch.cat([slot_mapping for slot_mapping, _ in parts])
+    groups, joined = _groups_and_slots(cache_layers, layer_ids, geometry, joined)
+    if joined.numel() == 0 or int(joined.min()) < 0:
+        return None
+    split = torch.split(joined, [slot_mapping.numel() for slot_mapping, _ in parts])
+    return groups, [(slots, chunk) for slots, (_, chunk) in zip(split, parts)]
+
+
+def gather_many(
+    kv_caches: KVCaches,
+    geometry: KVGeometry,
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    layers: Sequence[int] | None = None,
+    impl: str | None = None,
+) -> None:
+    """`gather` of every ``(slot_mapping, out)`` in ``parts``, as one copy where it can.
+
+    A request's chunks land in buffers an arena hands out back to back: when
+    the ``out`` buffers follow each other in memory, alike in shape and
+    layout, on the CPU, with no skipped slot, they move in one kernel call
+    (one index over all their rows) instead of one call per chunk; otherwise
+    each part is a `gather` of its own.
+
+    >>> from flowkv._testing.paged import make_paged_kv, random_slot_mapping
+    >>> g = KVGeometry("cpu", 2, 2, 64, 32, torch.float32)
+    >>> caches = make_paged_kv(g, num_blocks=8, seed=0)
+    >>> slots = random_slot_mapping(64, g, 8, seed=1)
+    >>> flat = torch.empty(2 * math.prod(g.chunk_shape(32)))
+    >>> outs = [half.view(tuple(g.chunk_shape(32))) for half in flat.chunk(2)]  # back to back
+    >>> gather_many(caches, g, [(slots[:32], outs[0]), (slots[32:], outs[1])])
+    >>> torch.equal(torch.cat(outs, dim=2), gather(caches, g, slots, g.empty_chunk(64)))
+    True
+    """
+    joinable = _joinable(kv_caches, geometry, parts, layers, impl, "out")
+    if joinable is not None and torch_kv.move_joined(*joinable, to_chunk=True):
+        return
+    for slot_mapping, out in parts:
+        gather(kv_caches, geometry, slot_mapping, out, layers=layers, impl=impl)
+
+
+def scatter_many(
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    kv_caches: KVCaches,
+    geometry: KVGeometry,
+    *,
+    layers: Sequence[int] | None = None,
+    impl: str | None = None,
+) -> None:
+    """`scatter` of every ``(slot_mapping, chunk)`` in ``parts``, as one copy where it can (see
+    `gather_many`)."""
+    joinable = _joinable(kv_caches, geometry, parts, layers, impl, "chunk")
+    if joinable is not None and torch_kv.move_joined(*joinable, to_chunk=False):
+        return
+    for slot_mapping, chunk in parts:
+        scatter(chunk, kv_caches, geometry, slot_mapping, layers=layers, impl=impl)

@@ -1,9 +1,11 @@
 """``flowkv bench serve`` at a tiny size: real ``vllm serve`` servers, vLLM's own client, the table.
 
 Asserts the table's structure and the relations between its figures, never
-a speed: two configurations (no connector, flowkv ``local-cpu``) at
-concurrency 1 and 2, three documents asked twice each, vLLM's own prefix
-cache off so that every reuse is flowkv's.
+a speed: three configurations (no connector, the ceiling — vLLM's pool
+holding every document —, flowkv ``local-cpu``) at concurrency 1 and 2, in
+two rounds, three documents asked twice each, vLLM's own prefix cache off
+(but for the ceiling, which is that cache) so that every other reuse is
+flowkv's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from flowkv.cli import main  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 LEVELS = (1, 2)
+ROUNDS = 2
+CONFIGS = ("none", "ceiling", "local-cpu")
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +35,8 @@ def results(tmp_path_factory):
     logs = tmp_path_factory.mktemp("bench-serve")
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
-        status = main(["bench", "serve", "--model-dir", str(tiny_model_dir()), "--configs", "none,local-cpu",
-                       "--concurrency", ",".join(map(str, LEVELS)), "--docs", "3", "--asks", "2",
+        status = main(["bench", "serve", "--model-dir", str(tiny_model_dir()), "--configs", ",".join(CONFIGS),
+                       "--concurrency", ",".join(map(str, LEVELS)), "--repeats", str(ROUNDS), "--docs", "3", "--asks", "2",
                        "--doc-tokens", "512", "--question-tokens", "16", "--output-tokens", "4",
                        "--pool-docs", "2", "--no-prefix-caching", "--keep-logs", str(logs), "--json"])
     assert status == 0
@@ -41,10 +45,17 @@ def results(tmp_path_factory):
 
 def test_every_configuration_ran_every_level_and_completed_every_request(results):
     assert results["failed"] == {}
-    assert list(results["median"]) == ["none", "local-cpu"]
-    for rows in results["median"].values():
+    assert list(results["median"]) == list(CONFIGS)
+    for config, rows in results["median"].items():
         assert sorted(int(level) for level in rows) == list(LEVELS)
-        for row in rows.values():
+        for level, row in rows.items():
+            runs = results["runs"][config][level]
+            assert len(runs) == ROUNDS
+            spread = results["range"][config][level]
+            for key in ("requests_per_s", "ttft_p99_ms", "itl_p50_ms"):
+                # the median of the rounds, within their range
+                assert spread[key] == [min(r[key] for r in runs), max(r[key] for r in runs)]
+                assert spread[key][0] <= row[key] <= spread[key][1]
             assert row["completed"] == 3 * 2 and row["failed"] == 0
             assert row["requests_per_s"] > 0
             assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
@@ -52,9 +63,10 @@ def test_every_configuration_ran_every_level_and_completed_every_request(results
 
 
 def test_only_flowkv_serves_tokens_and_its_ratios_are_against_no_connector(results):
-    for level, row in results["median"]["none"].items():
-        assert row["flowkv_tokens"] == 0 and row["connector_tokens"] == 0
-        assert row["requests_per_s_vs_none"] == pytest.approx(1.0)
+    for config in ("none", "ceiling"):
+        for level, row in results["median"][config].items():
+            assert row["flowkv_tokens"] == 0 and row["connector_tokens"] == 0
+            assert row[f"requests_per_s_vs_{config}"] == pytest.approx(1.0)
     for level, row in results["median"]["local-cpu"].items():
         # Each document's second ask: at least one whole chunk came from flowkv, and vLLM counted it.
         assert row["flowkv_tokens"] >= 256
@@ -62,11 +74,18 @@ def test_only_flowkv_serves_tokens_and_its_ratios_are_against_no_connector(resul
         none = results["median"]["none"][level]
         assert row["requests_per_s_vs_none"] == pytest.approx(row["requests_per_s"] / none["requests_per_s"])
         assert row["ttft_p99_vs_none"] == pytest.approx(row["ttft_p99_ms"] / none["ttft_p99_ms"])
+        ceiling = results["median"]["ceiling"][level]
+        assert row["requests_per_s_vs_ceiling"] == pytest.approx(row["requests_per_s"] / ceiling["requests_per_s"])
+        assert row["ttft_p99_vs_ceiling"] == pytest.approx(row["ttft_p99_ms"] / ceiling["ttft_p99_ms"])
+        assert row["itl_p50_vs_none"] == pytest.approx(row["itl_p50_ms"] / none["itl_p50_ms"])
 
 
 def test_the_table_has_a_row_per_configuration_and_level(results, capsys):
     serve._print(json.loads(json.dumps(results)))
     lines = capsys.readouterr().out.splitlines()
-    rows = [line.split() for line in lines if line.split() and line.split()[0] in ("none", "local-cpu")]
-    assert [(r[0], int(r[1])) for r in rows] == [(c, level) for c in ("none", "local-cpu") for level in LEVELS]
-    assert "req/s" in lines[1] and "TTFT p99" in lines[1]
+    rows = [line.split() for line in lines if line.split() and line.split()[0] in CONFIGS]
+    assert [(r[0], int(r[1])) for r in rows] == [(c, level) for c in CONFIGS for level in LEVELS]
+    assert "req/s" in lines[1] and "TTFT p99" in lines[1] and "x ceil" in lines[1]
+    for r in rows:  # req/s, then its range over the rounds
+        low, high = (float(x) for x in r[3].split("-"))
+        assert low <= float(r[2]) <= high

@@ -206,3 +206,21 @@ def test_bench_runner_table_and_bad_arguments(capsys):
     assert re.search(r"^on +[\d.]+ +[\d.]+ +-?[\d.]+ +[\d.]+$", out, re.M)
     assert main(["bench", "runner", "--sampling", "2"]) == 2
     assert "--sampling must be between 0 and 1" in capsys.readouterr().out
+
+
+# -- the vLLM benchmarks' options (no vLLM starts: they are checked first) ---------------------
+
+
+def test_bench_serve_and_ttft_name_their_baselines(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "ceiling" in text and "(default 3)" in text  # the ceiling config; rounds by default
+    assert main(["bench", "serve", "--configs", "none,top"]) == 2
+    assert "none, ceiling, local-cpu" in capsys.readouterr().err
+    assert main(["bench", "serve", "--repeats", "0"]) == 2
+    assert main(["bench", "ttft", "--peers", "flowkv,floor"]) == 2
+    assert "vLLM prefix cache" in capsys.readouterr().err  # the floor every hit is a ratio to
+    with pytest.raises(SystemExit):
+        main(["bench", "engine", "--help"])
+    assert "--worker-conditions" in capsys.readouterr().out

@@ -573,3 +573,22 @@ def test_file_telemetry_writes_one_span_per_stage(tmp_path):
     assert roots["flowkv.store"].attributes["flowkv.request_id"] == "req-1"
     gather = next(s for s in spans if s.name == "gather")
     assert gather.attributes["flowkv.bytes"] == 4 * CHUNK * g.token_bytes
+
+
+def test_accounting_changes_only_when_the_engine_counts_something():
+    """vLLM asks for the connector's stats after every step; ``accounting.changes`` lets the worker
+    skip the snapshot in steps (a decoding batch's) that changed nothing."""
+    g = geometry()
+    e = engine("local-cpu", g=g)
+    src = make_paged_kv(g, NUM_BLOCKS, seed=1)
+    slots = random_slot_mapping(NUM_TOKENS, g, NUM_BLOCKS, seed=2)
+    ids = tokens()
+    before = e.accounting.changes
+    e.stats()
+    e.drain_latencies()
+    assert e.accounting.changes == before  # reading changes nothing
+    e.store(ids, kv_caches=src, slot_mapping=slots)
+    after_store = e.accounting.changes
+    assert after_store > before
+    e.lookup(ids)
+    assert e.accounting.changes > after_store

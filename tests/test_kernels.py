@@ -537,3 +537,114 @@ def test_vllms_cpu_block_interior_is_packed_and_whole_blocks_move_bitwise(dtype)
     other = torch.zeros_like(layer)
     scatter(chunk, [other], g, torch.cat([torch.arange(3 * block, 4 * block), torch.arange(5 * block, 6 * block)]))
     assert torch.equal(other[3], layer[0]) and torch.equal(other[5], layer[2])
+
+
+# -- a request's chunks in one copy (gather_many / scatter_many) ------------------------------------
+
+class _CountIndexCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the row-index copies the kernels make (index_select / index_copy_ / numpy's are
+    not torch ops, so the scatter path is counted through `note_row_bytes` instead)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.startswith(("index_select", "index_copy")):
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _arena_chunks(g, arena, sizes):
+    return [arena.allocate(g.chunk_shape(size), g.dtype) for size in sizes]
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash_kv_nhd", "flash_blocks_hnd"])
+@pytest.mark.parametrize("whole_blocks", [True, False])
+@pytest.mark.parametrize("numpy_gather", [False, True], ids=["index_select", "numpy"])
+def test_chunks_back_to_back_move_in_one_copy_and_bitwise(layout, whole_blocks, numpy_gather, monkeypatch):
+    from flowkv.kernels import gather_many, scatter_many, torch_kv
+    from flowkv.memory import MemoryArena
+
+    monkeypatch.setattr(torch_kv, "NUMPY_GATHER", numpy_gather)
+    g = geometry_for(layout, block_size=16)
+    source = make_paged_kv(g, NUM_BLOCKS, seed=3)
+    slots = (torch.arange(96) if whole_blocks else random_slot_mapping(96, g, NUM_BLOCKS, seed=4))
+    arena = MemoryArena(8 << 20, slab_bytes=1 << 20, prefault="off")
+    objs = _arena_chunks(g, arena, [32, 32, 32])  # an arena hands a request's chunks out back to back
+    parts = [(slots[i * 32:(i + 1) * 32], obj.tensor) for i, obj in enumerate(objs)]
+    with _CountIndexCopies() as counted:
+        gather_many(source, g, parts)
+    # one index_select over all the rows (or none: numpy copies rows of 2 KiB and more)
+    assert counted.calls == 1 if not numpy_gather else counted.calls <= 1
+    assert torch.equal(torch.cat([obj.tensor for obj in objs], dim=2), reference_gather(source, g, slots))
+    target = make_paged_kv(g, NUM_BLOCKS, seed=5, fill=False)
+    scatter_many(parts, target, g)
+    assert torch.equal(reference_gather(target, g, slots), reference_gather(source, g, slots))
+
+
+def test_chunks_that_do_not_follow_each_other_move_one_by_one(monkeypatch):
+    from flowkv.kernels import gather_many, scatter_many, torch_kv
+    from flowkv.memory import MemoryArena
+
+    monkeypatch.setattr(torch_kv, "NUMPY_GATHER", False)  # count the gathers as index_select calls
+    g = geometry_for("flash_kv_nhd", block_size=16)
+    source = make_paged_kv(g, NUM_BLOCKS, seed=6)
+    slots = random_slot_mapping(96, g, NUM_BLOCKS, seed=7)
+    arena = MemoryArena(8 << 20, slab_bytes=1 << 20, prefault="off")
+    first, second, _gap, third = _arena_chunks(g, arena, [32, 32, 32, 32])  # not a fixed distance apart
+    parts = [(slots[:32], first.tensor), (slots[32:64], second.tensor), (slots[64:], third.tensor)]
+    with _CountIndexCopies() as counted:
+        gather_many(source, g, parts)
+    assert counted.calls == 3
+    assert torch.equal(torch.cat([first.tensor, second.tensor, third.tensor], dim=2), reference_gather(source, g, slots))
+    slots = slots[:64]
+    # A skipped slot (-1) anywhere: each part on its own, the skipped row kept as it was.
+    skipping = slots.clone()
+    skipping[40] = -1
+    target = make_paged_kv(g, NUM_BLOCKS, seed=8, fill=False)
+    before = reference_gather(target, g, slots[40:41])
+    adjacent = _arena_chunks(g, arena, [32, 32])
+    for obj, part in zip(adjacent, (slots[:32], slots[32:])):
+        obj.tensor.copy_(reference_gather(source, g, part))
+    scatter_many([(skipping[:32], adjacent[0].tensor), (skipping[32:], adjacent[1].tensor)], target, g)
+    assert torch.equal(reference_gather(target, g, slots[40:41]), before)
+    kept = torch.cat([slots[:40], slots[41:]])
+    assert torch.equal(reference_gather(target, g, kept), reference_gather(source, g, kept))
+
+
+def test_chunk_batches_are_checked_like_one_call():
+    from flowkv.kernels import gather_many
+
+    g = geometry_for("cpu")
+    source = make_paged_kv(g, NUM_BLOCKS, seed=9)
+    slots = random_slot_mapping(64, g, NUM_BLOCKS, seed=10)
+    with pytest.raises(ValueError, match="expected"):
+        gather_many(source, g, [(slots[:32], g.empty_chunk(32)), (slots[32:], g.empty_chunk(16))])
+    with pytest.raises(ValueError, match="slot_mapping holds slots"):
+        gather_many(source, g, [(slots[:32], g.empty_chunk(32)), (slots[32:] + 10_000, g.empty_chunk(32))])
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash_kv_nhd"])
+def test_one_layer_of_chunks_back_to_back_moves_in_one_copy(layout, monkeypatch):
+    """Layerwise: layer l of each chunk is a slice with gaps between the chunks; still one copy."""
+    from flowkv.kernels import gather_many, scatter_many, torch_kv
+    from flowkv.memory import MemoryArena
+
+    monkeypatch.setattr(torch_kv, "NUMPY_GATHER", False)  # one chunk at a time would be index_select calls
+    g = geometry_for(layout, block_size=16)
+    source = make_paged_kv(g, NUM_BLOCKS, seed=11)
+    slots = random_slot_mapping(96, g, NUM_BLOCKS, seed=12)
+    arena = MemoryArena(8 << 20, slab_bytes=1 << 20, prefault="off")
+    objs = _arena_chunks(g, arena, [32, 32, 32])
+    for layer in range(g.num_layers):
+        parts = [(slots[i * 32:(i + 1) * 32], obj.tensor[layer:layer + 1]) for i, obj in enumerate(objs)]
+        with _CountIndexCopies() as counted:
+            gather_many(source, g, parts, layers=[layer])
+        assert counted.calls == 0  # not one index_select per chunk: one numpy copy over the strided rows
+    assert torch.equal(torch.cat([obj.tensor for obj in objs], dim=2), reference_gather(source, g, slots))
+    target = make_paged_kv(g, NUM_BLOCKS, seed=13, fill=False)
+    for layer in range(g.num_layers):
+        scatter_many([(slots[i * 32:(i + 1) * 32], obj.tensor[layer:layer + 1]) for i, obj in enumerate(objs)],
+                     target, g, layers=[layer])
+    assert torch.equal(reference_gather(target, g, slots), reference_gather(source, g, slots))

@@ -336,3 +336,36 @@ def test_an_arena_larger_than_its_shared_memory_filesystem_is_refused_at_start(t
     assert done.returncode == 1
     assert "cannot start" in done.stderr and f"does not fit {tmp_path}" in done.stderr
     assert list(tmp_path.iterdir()) == []  # neither a segment nor a socket
+
+
+class _CountRowCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the kernels' row-index copies (index_select for a gather)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func.__name__.startswith("index_select")
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_store_gathers_into_the_mapped_pages_in_one_copy(server, pipeline, monkeypatch):
+    """The server hands a request's rooms out back to back: the store fills all of them with one copy."""
+    from flowkv.kernels import torch_kv
+
+    monkeypatch.setattr(torch_kv, "NUMPY_GATHER", False)  # the copy as one countable index_select
+    e = engine(pipeline, "one-copy")
+    try:
+        ids, src = tokens(70000), kv_for(7)
+        with _CountRowCopies() as counted:
+            assert e.store(ids, kv_caches=src, slot_mapping=slots_for(TOKENS)) == TOKENS
+        assert counted.calls == 1
+        from flowkv.kernels import gather
+
+        dst = kv_for(8)
+        assert int(e.retrieve(ids, kv_caches=dst, slot_mapping=slots_for(TOKENS)).sum()) == TOKENS
+        g, slots = geometry(), slots_for(TOKENS)
+        assert torch.equal(gather(dst, g, slots, g.empty_chunk(TOKENS)), gather(src, g, slots, g.empty_chunk(TOKENS)))
+    finally:
+        e.close()

@@ -118,6 +118,35 @@ def test_bench_engine_rates_and_ratios_follow_from_its_times(capsys):
     assert re.search(r"^lookup of \d+ tokens: hit [\d.]+ ms", out, re.M)
 
 
+def test_bench_engine_worker_conditions_reports_each_condition_against_the_same_rounds_copy(capsys):
+    tokens, rounds = 512, 2
+    status, out, _ = run_cli(capsys, "bench", "engine", "--worker-conditions", "--tokens", str(tokens),
+                             "--repeats", str(rounds), "--json")
+    assert status == 0
+    report = json.loads(out)
+    w = report["worker_conditions"]
+    assert w["copy_threads"] == min(2, w["cores"]) and w["load_cores"]
+    gb = report["kv_bytes"] / 1e9
+    assert w["copy_gbps"]["min"] <= w["copy_gbps"]["median"] <= w["copy_gbps"]["max"]
+    assert set(w) >= {"standalone", "worker"} and set(w["worker"]) == {"store", "retrieve", "copy"}
+    for condition in ("standalone", "worker"):
+        for op, figures in w[condition].items():
+            assert figures["min_gbps"] <= figures["median_gbps"] <= figures["max_gbps"], (condition, op)
+            assert figures["median_gbps"] == pytest.approx(gb / (figures["median_ms"] / 1e3)), (condition, op)
+            # a median of per-round ratios lies within the ratios' range
+            low, high = figures["min_gbps"] / w["copy_gbps"]["max"], figures["max_gbps"] / w["copy_gbps"]["min"]
+            assert low * 0.999 <= figures["vs_copy"] <= high * 1.001, (condition, op)
+
+    status, out, _ = run_cli(capsys, "bench", "engine", "--worker-conditions", "--tokens", str(tokens),
+                             "--repeats", "1")
+    assert status == 0
+    assert re.search(r"^copy baseline: plain torch copy, \d threads, idle cores", out, re.M), out
+    assert re.search(r"^standalone \(\d+ torch threads, no load\)$", out, re.M)
+    assert re.search(r"^worker \(1 thread, load on cores [\d,]+\)$", out, re.M)
+    assert len(re.findall(rf"^  (?:store|retrieve|plain copy) +{NUMBER} +{NUMBER} +{NUMBER}-{NUMBER} +{NUMBER}$",
+                          out, re.M)) == 5, out
+
+
 # -- flowkv bench tiers -------------------------------------------------------------
 
 

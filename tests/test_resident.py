@@ -4,6 +4,7 @@ mincore (the kernel's own answer), never with timings."""
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from pathlib import Path
 
@@ -157,3 +158,110 @@ def test_bad_arguments():
         MemoryArena(8 * MiB, slab_bytes=MiB, backing=ResidentBuffer.anonymous(MiB, prefault="off"))
     with pytest.raises(ValueError, match="CPU"):
         resident_pages(torch.empty(0, device="meta"))
+    with pytest.raises(ValueError, match="window_bytes"):
+        ResidentBuffer.anonymous(MiB, prefault="off", window_bytes=0)
+
+
+# -- the background window: resident ahead of the allocation frontier, refilled while idle --
+
+def test_background_pre_fault_keeps_a_bounded_window_resident():
+    buffer = ResidentBuffer.anonymous(64 * MiB, prefault="background", window_bytes=8 * MiB)
+    try:
+        assert buffer.wait_resident(timeout=120)
+        assert buffer.prefault_state == "window full"
+        assert buffer.resident_bytes == buffer.target_bytes == 8 * MiB
+        assert resident_pages(buffer.tensor[: 8 * MiB]) == pages(8 * MiB)
+        assert resident_pages(buffer.tensor[8 * MiB:]) == 0  # not the whole arena at start
+    finally:
+        buffer.close()
+
+
+def test_the_window_moves_with_the_arena_frontier():
+    backing = ResidentBuffer.anonymous(64 * MiB, prefault="background", window_bytes=8 * MiB, quiet_s=0.0)
+    arena = MemoryArena(64 * MiB, slab_bytes=MiB, backing=backing)
+    try:
+        assert arena.wait_resident(timeout=120)
+        objs = [arena.allocate((MiB,), torch.uint8) for _ in range(12)]
+        assert backing.frontier_bytes == 12 * MiB
+        assert backing.target_bytes == 20 * MiB
+        assert arena.wait_resident(timeout=120)
+        assert backing.resident_bytes == 20 * MiB
+        assert resident_pages(arena.buffer[: 20 * MiB]) == pages(20 * MiB)
+        assert resident_pages(arena.buffer[20 * MiB:]) == 0
+        # Freed pages below the frontier are handed out again first: the frontier stays.
+        for obj in objs:
+            obj.ref_down()
+        arena.allocate((MiB,), torch.uint8)
+        assert backing.frontier_bytes == 12 * MiB
+    finally:
+        backing.close()
+
+
+def test_refill_waits_while_the_engine_is_busy_and_allocation_never_waits_for_it():
+    backing = ResidentBuffer.anonymous(64 * MiB, prefault="background", window_bytes=4 * MiB, quiet_s=0.0)
+    arena = MemoryArena(64 * MiB, slab_bytes=MiB, backing=backing)
+    try:
+        assert arena.wait_resident(timeout=120)
+        with arena.busy():  # a forward pass: stores allocate and write, the refill takes no step
+            objs = [arena.allocate((MiB,), torch.uint8) for _ in range(16)]
+            for obj in objs:
+                obj.tensor.fill_(7)  # the writer faults its own pages in, as with prefault = "off"
+            assert backing.target_bytes == 20 * MiB
+            assert not arena.wait_resident(timeout=0.3)
+            assert backing.resident_bytes == 4 * MiB
+            assert backing.prefault_state == "waiting for the engine to idle"
+        assert arena.wait_resident(timeout=120)  # idle again: the window is refilled
+        assert backing.resident_bytes == 20 * MiB
+        assert all(bool((obj.tensor == 7).all()) for obj in objs)  # refilling keeps the bytes
+    finally:
+        backing.close()
+
+
+def test_refill_waits_for_a_quiet_engine():
+    buffer = ResidentBuffer.anonymous(32 * MiB, prefault="background", window_bytes=4 * MiB, quiet_s=3600.0)
+    try:
+        assert buffer.wait_resident(timeout=120)  # the engine never worked yet: idle from the start
+        assert buffer.resident_bytes == 4 * MiB
+        buffer.note_allocated(8 * MiB)  # a store just now: the engine is busy for quiet_s
+        assert buffer.target_bytes == 12 * MiB
+        assert not buffer.wait_resident(timeout=0.3)
+        assert buffer.resident_bytes == 4 * MiB
+    finally:
+        buffer.close()
+    assert buffer.prefault_state == "stopped: asked to stop"
+
+
+def test_a_window_larger_than_the_buffer_makes_it_all_resident():
+    buffer = ResidentBuffer.anonymous(8 * MiB, prefault="background", window_bytes=64 * MiB)
+    try:
+        assert buffer.wait_resident(timeout=120)
+        assert buffer.prefault_state == "done"
+        assert resident_pages(buffer.tensor) == pages(8 * MiB)
+    finally:
+        buffer.close()
+
+
+def test_pre_fault_now_leaves_no_thread_behind():
+    def prefault_threads() -> int:
+        return sum(t.name == "flowkv-prefault" and t.is_alive() for t in threading.enumerate())
+
+    before = prefault_threads()
+    buffer = ResidentBuffer.anonymous(16 * MiB, prefault="now", window_bytes=4 * MiB)
+    assert buffer.prefault_state == "done" and resident_pages(buffer.tensor) == pages(16 * MiB)
+    buffer.note_allocated(16 * MiB)
+    assert prefault_threads() == before  # nothing competes with the engine after "now" returned
+    buffer.close()
+
+
+def test_memory_tier_window_from_the_pipeline_file():
+    g = KVGeometry("cpu", 2, 2, 64, 16, torch.float16)
+    engine = CacheEngine.from_pipeline("local-cpu", geometry=g, model_name="tiny",
+                                       overrides={"chunk_size": 64, "tiers.memory.capacity": "64MiB",
+                                                  "tiers.memory.prefault_window": "4MiB"})
+    try:
+        backing = engine.memory.arena.backing
+        assert backing.window_bytes == 4 * MiB
+        assert engine.memory.arena.wait_resident(timeout=120)
+        assert resident_pages(engine.memory.arena.buffer[8 * MiB:]) == 0
+    finally:
+        engine.close()

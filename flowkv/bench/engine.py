@@ -74,6 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed runs per measurement; the best counts (default 5)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    parser.add_argument("--worker-conditions", action="store_true",
+                        help="measure store/retrieve as they run inside vLLM's worker too: 1 torch thread, "
+                             "pinned to the first core, a forward-like load on the others "
+                             "(flowkv.bench.worker), next to the standalone figure and a 2-thread copy")
     parser.add_argument("--via", choices=("process", "server"), default="process",
                         help="server: store and retrieve through a flowkv node server next to in-process "
                              "local-cpu (flowkv.bench.node)")
@@ -184,6 +188,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     num_blocks = -(-n // args.block_size) + 1
 
     reps = args.repeats
+    if getattr(args, "worker_conditions", False):
+        return _measure_worker_conditions(args, engine, geometry, n, chunk, kv_bytes, num_blocks)
     hash_tokens = torch.randint(0, 128_000, (_LOOKUP_TOKENS,), generator=torch.Generator().manual_seed(7))
     steps = 5 * (reps + 1) + 2 * reps + len(HASH_FUNCTIONS) * (reps + 1) + 3 * (reps + 1)
     progress = tqdm(total=steps, desc="bench engine", file=sys.stderr, leave=False, unit="run")
@@ -343,6 +349,25 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def _measure_worker_conditions(args: argparse.Namespace, engine: Any, geometry: Any, n: int, chunk: int,
+                               kv_bytes: int, num_blocks: int) -> dict[str, Any]:
+    from flowkv._testing.paged import make_paged_kv, random_slot_mapping
+    from flowkv.bench.worker import measure_worker
+
+    src = make_paged_kv(geometry, num_blocks, seed=0)
+    dst = make_paged_kv(geometry, num_blocks, seed=1, fill=False)
+    slots = random_slot_mapping(n, geometry, num_blocks, seed=2)
+    generator = torch.Generator().manual_seed(3)
+    try:
+        figures = measure_worker(args, engine=engine, src=src, dst=dst, slots=slots, kv_bytes=kv_bytes,
+                                 fresh_tokens=lambda: torch.randint(0, 128_000, (n,), generator=generator))
+    finally:
+        engine.close()
+    return {"pipeline": engine.pipeline.name, "tokens": n, "chunk_size": chunk, "kv_bytes": kv_bytes,
+            "geometry": geometry.fingerprint(), "layout": geometry.layout, "block_size": geometry.block_size,
+            "repeats": args.repeats, "worker_conditions": figures}
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table (or JSON with ``--json``). Returns the exit status."""
     if args.tokens <= 0 or args.repeats <= 0:
@@ -361,6 +386,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.json:
         print(json.dumps(r, indent=2))
+        return 0
+    if "worker_conditions" in r:
+        from flowkv.bench.worker import print_worker
+
+        print_worker(r)
         return 0
     print(f"pipeline {r['pipeline']} (codec {r['codec']}), {r['geometry']}, {r['tokens']} tokens "
           f"= {r['kv_bytes'] / 2**20:.0f} MiB of KV ({r['data']}), chunk {r['chunk_size']}, "

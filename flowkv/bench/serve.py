@@ -10,6 +10,9 @@ than vLLM's pool holds, so its own prefix cache cannot serve them all.
 
 =================  ============================================================
 ``none``           vLLM alone (its prefix cache only)
+``ceiling``        vLLM alone with a KV pool that holds every document: its own
+                   prefix cache serves every repeat — the best any KV cache
+                   can do on this workload
 ``local-cpu``      flowkv, the memory tier
 ``cpu-disk``       flowkv, a memory tier of ``--memory-docs`` documents in front
                    of a disk tier (hits past memory are read from disk,
@@ -18,11 +21,13 @@ than vLLM's pool holds, so its own prefix cache cannot serve them all.
 =================  ============================================================
 
 Every concurrency level gets documents of its own (another dataset seed),
-so each starts cold; ``--repeats`` runs of a level give medians. The table
-gives requests/s, TTFT p50 and p99, ITL p50, the prompt tokens the connector
-served (flowkv's ``retrieved_tokens``; vLLM's external prefix-cache hits for
-the peer), and requests/s and p99 TTFT as ratios to ``none`` at the same
-concurrency::
+so each starts cold. ``--repeats`` rounds (default 3) each start every
+configuration's server afresh, configurations in turn, so a machine that
+slows down slows them alike; the table gives medians over the rounds with
+the range of requests/s and p99 TTFT: requests/s, TTFT p50 and p99, ITL p50,
+the prompt tokens the connector served (flowkv's ``retrieved_tokens``;
+vLLM's external prefix-cache hits for the peer), and requests/s and p99 TTFT
+as ratios to ``none`` and to ``ceiling`` at the same concurrency::
 
     flowkv bench serve
     flowkv bench serve --configs none,local-cpu --concurrency 8 --repeats 3 --plot serve.png
@@ -50,7 +55,9 @@ from flowkv.integration.harness import DEMO_MODEL, default_model_dir, kv_bytes_p
 
 __all__ = ["CONFIGS", "add_arguments", "run"]
 
-CONFIGS = ("none", "local-cpu", "cpu-disk", "example")
+CONFIGS = ("none", "ceiling", "local-cpu", "cpu-disk", "example")
+# Configurations without a connector: vLLM's own prefix cache, a small pool or one holding every document.
+_NO_CONNECTOR = ("none", "ceiling")
 SERVED_NAME = "bench"
 # A server that has not answered /health by then is not coming up (a readiness bound, not a speed claim).
 _READY_S = 900.0
@@ -72,7 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vLLM's KV pool, in requests of one document each (default 16)")
     parser.add_argument("--memory-docs", type=int, default=8,
                         help="cpu-disk: documents its memory tier holds; the rest come from disk (default 8)")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per level; the table shows medians (default 1)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds of every configuration; the table shows medians and ranges (default 3)")
     parser.add_argument("--chunk-size", type=int, default=256, help="flowkv's chunk size (default 256)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn vLLM's own prefix cache off (every reuse then comes from the connector)")
@@ -117,7 +125,7 @@ def _vllm_command() -> list[str]:
 
 def transfer_config(config: str, folder: Path, *, chunk_size: int, memory_bytes: int) -> dict[str, Any] | None:
     """The ``--kv-transfer-config`` of a configuration (None: no connector); its files go under ``folder``."""
-    if config == "none":
+    if config in _NO_CONNECTOR:
         return None
     if config == "example":
         return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
@@ -238,6 +246,15 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
+# The figures whose spread over the rounds the table shows.
+_SPREAD = ("requests_per_s", "ttft_p99_ms", "itl_p50_ms")
+
+
+def _range(runs: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """[min, max] over the rounds of each figure in ``_SPREAD``."""
+    return {key: [min(run[key] for run in runs), max(run[key] for run in runs)] for key in _SPREAD}
+
+
 # -- the benchmark ------------------------------------------------------------------------------------
 
 
@@ -268,37 +285,46 @@ def run(args: argparse.Namespace) -> int:
                                             "question_tokens", "output_tokens", "pool_docs", "memory_docs",
                                             "repeats")} | {"vllm_prefix_caching": not args.no_prefix_caching},
                                "runs": {}, "median": {}, "failed": {}}
+    # The ceiling's pool holds every document of every level (each level has documents of its own).
+    pools = {config: (args.docs * len(levels) + args.pool_docs if config == "ceiling" else args.pool_docs)
+             for config in configs}
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {config: {} for config in configs}
     with tempfile.TemporaryDirectory(prefix="fkv-bench-serve-") as tmp:
         logs = Path(args.keep_logs) if args.keep_logs else Path(tmp)
-        for config in configs:
-            folder = Path(tempfile.mkdtemp(prefix=f"{config}-", dir=tmp))
-            log_folder = logs / config
-            log_folder.mkdir(parents=True, exist_ok=True)
-            transfer = transfer_config(config, folder, chunk_size=args.chunk_size,
-                                       memory_bytes=args.memory_docs * args.doc_tokens * token_bytes)
-            print(f"bench serve: {config}...", file=sys.stderr)
-            runs: dict[int, list[dict[str, Any]]] = {}
-            level = None
-            try:
-                server = Server(model, log_folder, transfer=transfer, max_model_len=max_model_len,
-                                pool_bytes=args.pool_docs * max_model_len * token_bytes,
-                                prefix_caching=not args.no_prefix_caching)
-                with server:
-                    for index, level in enumerate(levels):
-                        runs[level] = [
-                            drive(server, args, model=model, concurrency=level, seed=1000 * repeat + index,
-                                  result_file=log_folder / f"c{level}-r{repeat}.json")
-                            for repeat in range(args.repeats)
-                        ]
-                        print(f"bench serve: {config} c={level}: {_median(runs[level])}", file=sys.stderr)
-            # A peer that fails (to start, or mid-run: its server died) is reported with the levels it finished.
-            except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
-                where = f"at concurrency {level}: " if level is not None else ""
-                results["failed"][config] = where + " ".join(str(exc).split())[-400:]
-                runs.pop(level, None)
-            if runs:
-                results["runs"][config] = runs
-                results["median"][config] = {lvl: _median(level_runs) for lvl, level_runs in runs.items()}
+        for repeat in range(args.repeats):
+            for config in configs:
+                if config in results["failed"]:
+                    continue
+                folder = Path(tempfile.mkdtemp(prefix=f"{config}-", dir=tmp))
+                log_folder = logs / config / f"round{repeat}"
+                log_folder.mkdir(parents=True, exist_ok=True)
+                transfer = transfer_config(config, folder, chunk_size=args.chunk_size,
+                                           memory_bytes=args.memory_docs * args.doc_tokens * token_bytes)
+                print(f"bench serve: {config}, round {repeat + 1} of {args.repeats}...", file=sys.stderr)
+                level = None
+                try:
+                    server = Server(model, log_folder, transfer=transfer, max_model_len=max_model_len,
+                                    pool_bytes=pools[config] * max_model_len * token_bytes,
+                                    prefix_caching=config == "ceiling" or not args.no_prefix_caching)
+                    with server:
+                        for index, level in enumerate(levels):
+                            run = drive(server, args, model=model, concurrency=level, seed=1000 * repeat + index,
+                                        result_file=log_folder / f"c{level}.json")
+                            runs[config].setdefault(level, []).append(run)
+                            print(f"bench serve: {config} c={level}: {run}", file=sys.stderr)
+                # A peer that fails (to start, or mid-run: its server died) is reported with the
+                # rounds it finished, and not started again.
+                except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+                    where = f"at concurrency {level}: " if level is not None else ""
+                    results["failed"][config] = where + " ".join(str(exc).split())[-400:]
+                    for level_runs in runs[config].values():  # keep whole rounds only
+                        del level_runs[repeat:]
+    for config, by_level in runs.items():
+        by_level = {level: level_runs for level, level_runs in by_level.items() if level_runs}
+        if by_level:
+            results["runs"][config] = by_level
+            results["median"][config] = {lvl: _median(level_runs) for lvl, level_runs in by_level.items()}
+            results.setdefault("range", {})[config] = {lvl: _range(level_runs) for lvl, level_runs in by_level.items()}
     _ratios(results)
     if args.plot:
         _plot(results, args.plot)
@@ -310,34 +336,47 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _ratios(results: dict[str, Any]) -> None:
-    """Requests/s and p99 TTFT of each configuration against ``none`` at the same concurrency."""
-    base = results["median"].get("none")
-    if not base:
-        return
-    for rows in results["median"].values():
-        for level, row in rows.items():
-            ref = base.get(level)
-            if ref:
-                row["requests_per_s_vs_none"] = row["requests_per_s"] / ref["requests_per_s"]
-                row["ttft_p99_vs_none"] = row["ttft_p99_ms"] / ref["ttft_p99_ms"]
+    """Requests/s, p99 TTFT and ITL p50 of each configuration against ``none`` and ``ceiling`` at the
+    same concurrency (medians over the rounds)."""
+    for name in _NO_CONNECTOR:
+        base = results["median"].get(name)
+        if not base:
+            continue
+        for rows in results["median"].values():
+            for level, row in rows.items():
+                ref = base.get(level)
+                if ref:
+                    row[f"requests_per_s_vs_{name}"] = row["requests_per_s"] / ref["requests_per_s"]
+                    row[f"ttft_p99_vs_{name}"] = row["ttft_p99_ms"] / ref["ttft_p99_ms"]
+                    row[f"itl_p50_vs_{name}"] = row["itl_p50_ms"] / ref["itl_p50_ms"]
 
 
 def _print(results: dict[str, Any]) -> None:
     work = results["workload"]
     print(f"{work['docs']} documents x {work['asks']} asks, {work['doc_tokens']}+{work['question_tokens']} prompt "
           f"tokens, {work['output_tokens']} generated; vLLM's pool holds {work['pool_docs']} requests "
-          f"(its prefix cache {'on' if work['vllm_prefix_caching'] else 'off'}); median of {work['repeats']} run(s)")
-    header = (f"{'config':<10} {'conc':>4} {'req/s':>7} {'x none':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
-              f"{'x none':>7} {'ITL p50':>8} {'connector tokens':>17} {'done':>5}")
+          f"(its prefix cache {'on' if work['vllm_prefix_caching'] else 'off'}; ceiling: every document, prefix cache on); "
+          f"median and range of {work['repeats']} round(s), configurations in turn")
+    header = (f"{'config':<10} {'conc':>4} {'req/s':>7} {'range':>11} {'x none':>7} {'x ceil':>7} {'TTFT p50':>9} "
+              f"{'TTFT p99':>9} {'range':>11} {'x none':>7} {'x ceil':>7} {'ITL p50':>8} {'x none':>7} "
+              f"{'connector tokens':>17} {'done':>5}")
     print(header)
     print("-" * len(header))
+
+    def ratio(row: dict[str, Any], key: str) -> str:
+        return f"{row[key]:6.2f}x" if key in row else "      -"
+
     for config, rows in results["median"].items():
         for level, row in rows.items():
             tokens = row["flowkv_tokens"] if config in ("local-cpu", "cpu-disk") else row["connector_tokens"]
-            speed = f"{row['requests_per_s_vs_none']:6.2f}x" if "requests_per_s_vs_none" in row else "      -"
-            p99 = f"{row['ttft_p99_vs_none']:6.2f}x" if "ttft_p99_vs_none" in row else "      -"
-            print(f"{config:<10} {level:>4} {row['requests_per_s']:>7.2f} {speed} {row['ttft_p50_ms']:>7.0f}ms "
-                  f"{row['ttft_p99_ms']:>7.0f}ms {p99} {row['itl_p50_ms']:>6.1f}ms {tokens:>17,.0f} "
+            spread = results.get("range", {}).get(config, {}).get(level, {})
+            low, high = spread.get("requests_per_s", [row["requests_per_s"]] * 2)
+            p99_low, p99_high = spread.get("ttft_p99_ms", [row["ttft_p99_ms"]] * 2)
+            print(f"{config:<10} {level:>4} {row['requests_per_s']:>7.2f} {f'{low:.2f}-{high:.2f}':>11} "
+                  f"{ratio(row, 'requests_per_s_vs_none')} {ratio(row, 'requests_per_s_vs_ceiling')} "
+                  f"{row['ttft_p50_ms']:>7.0f}ms {row['ttft_p99_ms']:>7.0f}ms {f'{p99_low:.0f}-{p99_high:.0f}':>11} "
+                  f"{ratio(row, 'ttft_p99_vs_none')} {ratio(row, 'ttft_p99_vs_ceiling')} "
+                  f"{row['itl_p50_ms']:>6.1f}ms {ratio(row, 'itl_p50_vs_none')} {tokens:>17,.0f} "
                   f"{row['completed']:>5.0f}")
     print("(connector tokens: flowkv's retrieved tokens; for the peer, vLLM's external prefix-cache hits)")
     for config, why in results["failed"].items():

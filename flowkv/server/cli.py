@@ -48,8 +48,10 @@ def add_commands(sub: Any) -> None:
     parser.add_argument("--slab", help="the largest chunk, e.g. 256MiB (default: the smaller of that and --memory)")
     parser.add_argument("--shm-dir", default="/dev/shm", help="where the shared segment is created")
     parser.add_argument("--prefault", choices=("background", "now", "off"), default="background",
-                        help="make the arena's pages resident at start: in the background (default), before "
-                             "listening, or not (first touch); never below the machine's free-memory reserve")
+                        help="make the arena's pages resident before stores write them: background (default) keeps "
+                             "256 MiB resident ahead of the highest page handed out, refilled when no client has "
+                             "allocated for 50 ms; now: all of it before listening; off: first touch. Never below "
+                             "the machine's free-memory reserve")
     parser.add_argument("--name", help="a stable name for this cache (a fleet controller's holder id); "
                         "default HOST:SOCKET")
     parser.add_argument("--json", action="store_true", help="status: print JSON")

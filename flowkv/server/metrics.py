@@ -20,7 +20,7 @@ _GAUGES = (
     ("memory_pinned_entries", "gauge", "Chunks pinned by lookups", ("memory", "pinned_entries")),
     ("memory_evictions_total", "counter", "Chunks evicted to make room", ("memory", "evictions")),
     ("memory_allocation_failures_total", "counter", "Allocations that found no room", ("memory", "allocation_failures")),
-    ("memory_resident_bytes", "gauge", "Bytes of the arena made resident by the pre-fault at start", ("memory", "resident_bytes")),
+    ("memory_resident_bytes", "gauge", "Bytes of the arena the pre-fault made resident (from its start)", ("memory", "resident_bytes")),
     ("clients_connected", "gauge", "Client connections open", ("clients", "connected")),
     ("clients_disconnected", "gauge", "Connections ended within the lease timeout", ("clients", "disconnected")),
     ("allocations_held", "gauge", "Rooms handed out and not committed yet", ("clients", "allocations_held")),

@@ -9,6 +9,7 @@ its ``[tiers.NAME]`` table::
     pin_memory = true      # page-locked when CUDA is present (fast async copies)
     prefault = "background"  # make the arena's pages resident early: background|now|off
     quotas = { default = "1GiB", acme = "8GiB" }   # per tenant (flowkv.tenants); default: unnamed ones
+    prefault_window = "256MiB"  # background: bytes kept resident ahead of where stores write
 
 ``open(slab_bytes=...)`` allocates the arena (`flowkv.memory.MemoryArena`)
 once the storage manager knows the largest object (one raw chunk and a
@@ -47,6 +48,7 @@ import attrs
 import torch
 
 from flowkv.memory import MemoryArena, MemoryObj
+from flowkv.resident import DEFAULT_WINDOW_BYTES
 from flowkv.registry import tier
 from flowkv.tenants import DEFAULT_TENANT, DEFAULT_TENANT_LABELS, TenantLedger, clean_tenant
 from flowkv.tiers.base import ObjectTier
@@ -63,12 +65,15 @@ class MemoryTierConfig:
     # Page-lock the arena when CUDA is present, for fast asynchronous copies.
     pin_memory: bool = True
     # Make the arena's pages resident before stores write them (flowkv/resident.py):
-    # "background" (after start), "now" (before the engine starts) or "off".
+    # "background" (a window ahead of where stores write, refilled while the engine is
+    # idle), "now" (all of it, before the engine starts) or "off".
     prefault: Literal["background", "now", "off"] = "background"
     # Bytes each tenant may hold ({} = no quotas; "default" = every tenant not named): flowkv.tenants.
     quotas: dict[str, int] = attrs.field(factory=dict, hash=False)
     # Tenants with their own metric label; later ones count under "default".
     tenant_labels: int = DEFAULT_TENANT_LABELS
+    # The background window, in bytes ("256MiB" in the file).
+    prefault_window: int = DEFAULT_WINDOW_BYTES
 
 
 @attrs.frozen
@@ -150,7 +155,8 @@ class MemoryTier(ObjectTier):
         """Allocate the arena: ``capacity`` bytes, objects of at most ``slab_bytes``."""
         if self._arena is None:
             self._arena = MemoryArena(self.config.capacity, slab_bytes=slab_bytes, pin_memory=self.config.pin_memory,
-                                      prefault=self.config.prefault)
+                                      prefault=self.config.prefault,
+                                      prefault_window=self.config.prefault_window)
 
     @property
     def arena(self) -> MemoryArena:

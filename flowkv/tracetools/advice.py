@@ -152,8 +152,8 @@ def _slow_transfer(stage: StageStats, copy_gbps: float) -> str:
         causes.append(
             f"first-touch page faults ({stage.faults} faults for {_bytes(stage.total_bytes)}, "
             f"{stage.faults * _PAGE_BYTES / stage.total_bytes:.0%} of its bytes in 4 KiB pages): the chunk memory "
-            "was never written before; keep `[tiers.memory] prefault` on (the default) and let the arena's "
-            "pre-fault finish before traffic arrives"
+            "was never written before; keep `[tiers.memory] prefault` on (the default: a window ahead of the "
+            "stores, refilled while the engine idles) and raise `prefault_window` if stores outrun it"
         )
     if stage.cpu_ns is not None and stage.own_ns and stage.cpu_ns < CONTENDED_CPU_SHARE * stage.own_ns:
         causes.append(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("flowkv.integration")
 
 __all__ = ["ConnectorWorker"]
+
+# With nothing counted since the last report, the stats are taken again after this long anyway
+# (the tiers' counters move in the background: write-behind, evictions by another engine).
+_STATS_EVERY_S = 1.0
 
 
 @dataclass
@@ -97,6 +102,8 @@ class ConnectorWorker:
         # KV this step computes past that point is wrong and must not be stored.
         self._short_loads: dict[str, int] = {}
         self._stats_at_last_report: dict[str, Any] | None = None
+        self._changes_reported = -1  # the engine's accounting.changes at the last report
+        self._reported_at = 0.0  # time.monotonic() of the last report
         # Layerwise: a layer's index is its position in register_kv_caches' dict.
         self._layer_index: dict[str, int] = {}
         self._unknown_layers: set[str] = set()
@@ -111,6 +118,10 @@ class ConnectorWorker:
                                        reached=self._reached, load_failed=self._load_failed,
                                        wait_limit_s=pipeline.section.pin_timeout_s / 2)
         self._fleet: FleetLink | None = None
+        # The memory arena whose pre-fault refill keeps off vLLM's forward passes (None: the
+        # engine stores into a node server's arena, or pinned memory); whether a step is open.
+        self._arena: Any = None
+        self._in_step = False
 
     # -- set-up and the scheduler's questions ---------------------------------
 
@@ -137,6 +148,7 @@ class ConnectorWorker:
             world_size=self._instance.world_size,
             rank=rank,
         )
+        self._arena = getattr(self._engine.memory, "arena", None)
         if self._engine.chunk_size % self._block_size and self._block_size % self._engine.chunk_size:
             logger.warning(
                 "flowkv: chunk size %d and vLLM block size %d do not divide each other; "
@@ -205,6 +217,10 @@ class ConnectorWorker:
         if self._step is not None:  # a step that never reached wait_for_save
             self._step.end()
             self._step = None
+        if self._arena is not None and not self._in_step:
+            # From here to wait_for_save the model computes: the arena's pre-fault waits.
+            self._arena.begin_busy()
+            self._in_step = True
         if self._engine is not None and isinstance(meta, FlowKVMetadata) and (meta.loads or meta.saves):
             self._step_trace(meta)
 
@@ -391,6 +407,9 @@ class ConnectorWorker:
             self._finish_layerwise_loads()
             self._finish_saves(meta)
         finally:
+            if self._in_step:
+                self._arena.end_busy()
+                self._in_step = False
             if self._step is not None:
                 self._step.end()
             self._step = None
@@ -461,6 +480,13 @@ class ConnectorWorker:
             return None
         from flowkv.integration.vllm.metrics import FlowKVStats, snapshot
 
+        # A decoding batch's steps change nothing flowkv counts: skip the snapshot (the tiers'
+        # own counters, which write-behind moves in the background, at least once a second).
+        changes = self._engine.accounting.changes
+        now_s = time.monotonic()
+        if changes == self._changes_reported and now_s - self._reported_at < _STATS_EVERY_S:
+            return None
+        self._changes_reported, self._reported_at = changes, now_s
         with self._engine_lock:
             now = snapshot(self._engine.stats())
             latencies = self._engine.drain_latencies()
