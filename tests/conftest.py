@@ -13,11 +13,6 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# vLLM's CPU platform skips inductor (dynamo with the eager backend) under its own CI switch: engines
-# that the tests start through flowkv's CLI and harness (demo, quality, bench) start 10-40 s sooner.
-# Engines the tests build themselves pass enforce_eager; the compiled path keeps its own test
-# (tests/vllm_server.py, compiled=True, removes this variable).
-os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 
 _LLM_MODULE = "vllm.entrypoints.llm"
 # The test running now, and whether it carries the vllm marker.

@@ -13,11 +13,7 @@ pipeline, layerwise) with an engine-side level (dtype, KV heads, head
 size, block) that the rows below combine. An unconnected vLLM runs once per
 (model, dtype, block size) and generates every prompt any test of the
 module sends to that configuration (``BASELINE``), so a baseline engine is
-shared by the rows and fault tests that use it. That unconnected engine runs
-for one row of each dtype (``UNCONNECTED_ROWS``); every other row's baseline
-is its own connected engine's first pass over those prompts with flowkv out of
-the way (a tag no other request carries, so nothing is found, and nothing
-stored) — the rows with both show that pass equals the unconnected vLLM's.
+shared by the rows and fault tests that use it.
 
 Each row: a cold prompt, the same prompt again (a hit), a prompt sharing
 part of it, and a batch of a new prompt beside the first. Every generated
@@ -126,9 +122,6 @@ ROWS = [
     Row(Shape("MHA", 128), FP16, 256, 256, "cpu-redis", True),
     Row(Shape("MQA", 96), BF16, 64, 32, "cpu-disk", False),
 ]
-# The rows whose baseline is a vLLM without a connector (one per dtype); the others take their
-# connected engine's pass with flowkv out of the way, which these rows check against the unconnected one.
-UNCONNECTED_ROWS = [next(row for row in ROWS if row.dtype == dtype) for dtype in (BF16, FP16, FP32)]
 REDIS_ROW = next(row for row in ROWS if row.pipeline == "cpu-redis")
 DISK_ROW = next(row for row in ROWS if row.pipeline == "cpu-disk")
 # The fault tests' memory tier: room for the row's own prompts, so its hits are exact; the
@@ -222,28 +215,13 @@ def generate(llm, prompts: list[list[int]], *, skip_save: bool = False,
 
 
 _baseline_tokens: dict[tuple[Shape, str, int], dict[tuple[int, ...], list[int]]] = {}
-# A connected engine's pass over its configuration's prompts with flowkv out of the way.
-_bypass_tokens: dict[tuple[Shape, str, int], dict[tuple[int, ...], list[int]]] = {}
-comparisons = {"tokens": 0, "requests": 0, "unconnected": 0, "bypass": 0}
+comparisons = {"tokens": 0, "requests": 0}
 ran_rows: list[str] = []
 
 
-def run_bypass(row: Row, llm) -> None:
-    """The row's baseline prompts through its connected engine, before it serves anything: flowkv
-    finds nothing (a tag of its own) and stores nothing."""
-    prompts = BASELINE_PROMPTS[row.baseline]
-    results = generate(llm, prompts, skip_save=True, tag="bypass")
-    assert all(cached == 0 for _, cached in results)
-    _bypass_tokens[row.baseline] = {tuple(p): tokens for p, (tokens, _) in zip(prompts, results)}
-
-
 def baseline(row: Row, prompt: list[int]) -> list[int]:
-    """The greedy tokens a vLLM without flowkv's help gives ``prompt``: an unconnected vLLM's for the
-    ``UNCONNECTED_ROWS`` (one engine per configuration, started once, and checked equal to the
-    connected engine's bypass pass), the bypass pass for the others."""
+    """The unconnected vLLM's greedy tokens for ``prompt`` (one engine per configuration, started once)."""
     config = row.baseline
-    if row not in UNCONNECTED_ROWS:
-        return _bypass_tokens[config][tuple(prompt)]
     if config not in _baseline_tokens:
         llm = start_llm(config)
         try:
@@ -252,9 +230,6 @@ def baseline(row: Row, prompt: list[int]) -> list[int]:
             assert all(cached == 0 for _, cached in generate(llm, prompts[:1]))  # no connector: nothing loaded
         finally:
             stop_llm(llm)
-        assert _bypass_tokens[config] == _baseline_tokens[config], (
-            f"{row}: the connected engine with flowkv out of the way differs from an unconnected vLLM: "
-            f"the other rows' baselines do not hold")
     return _baseline_tokens[config][tuple(prompt)]
 
 
@@ -264,7 +239,6 @@ def assert_same_tokens(row: Row, prompts: list[list[int]], results: list[tuple[l
         assert tokens == want, f"{row}: prompt of {len(prompt)} tokens generated {tokens}, unconnected vLLM {want}"
         comparisons["tokens"] += len(want)
         comparisons["requests"] += 1
-        comparisons["unconnected" if row in UNCONNECTED_ROWS else "bypass"] += 1
 
 
 @pytest.fixture(scope="module")
@@ -319,7 +293,6 @@ class Engines:
             (self.folder / "ipc").mkdir(exist_ok=True)
             self.llm = start_llm(row, connector_config(row, self.redis, self.folder))
             self.row = row
-            run_bypass(row, self.llm)
         return self.llm
 
     def close(self) -> None:
@@ -333,9 +306,8 @@ def engines(redis, tier_folder):
     holder = Engines(redis, tier_folder)
     yield holder
     holder.close()
-    print(f"\nvLLM matrix: {len(ran_rows)} rows, {comparisons['requests']} requests, {comparisons['tokens']} "
-          f"greedy tokens compared ({comparisons['unconnected']} requests against an unconnected vLLM, "
-          f"{comparisons['bypass']} against the connected engine's bypass pass)")
+    print(f"\nvLLM matrix: {len(ran_rows)} rows against an unconnected vLLM, "
+          f"{comparisons['requests']} requests, {comparisons['tokens']} greedy tokens compared")
     for name in ran_rows:
         print(f"  {name}")
 

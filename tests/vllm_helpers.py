@@ -61,9 +61,6 @@ def make_llm(
     if max_num_batched_tokens is not None:
         llm_kwargs["max_num_batched_tokens"] = max_num_batched_tokens
     llm_kwargs.setdefault("enable_prefix_caching", False)
-    # Eager unless a test asks for compilation: torch.compile is not these tests' subject and costs
-    # each start 10-40 s on two cores (the compiled path runs in test_vllm_serve's fixtures).
-    llm_kwargs.setdefault("enforce_eager", True)
     # vLLM's CPU platform lets this variable override kv_cache_memory_bytes.
     saved_space = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     try:
