@@ -7,9 +7,10 @@ this" must act as another user. Two ways:
   system's ``python3`` under ``setpriv`` as nobody:nogroup (nobody cannot
   read root's venv or pyenv, so flowkv is not importable there: an attacker
   helper needs nothing but the standard library).
-- ``in_child_as_nobody(fn)``: fork this process, drop to nobody in the
-  child, run ``fn()`` there (flowkv already imported) and hand back its
-  JSON-able result; for flowkv code that must run as a non-root user.
+  (flowkv code that must meet file modes runs as root without the
+  capabilities that bypass them: ``setpriv --bounding-set=-dac_override,
+  -dac_read_search``, see ``test_tier_disk.py``; a fork of the test process
+  would inherit locks its other threads hold.)
 
 ``LISTENER``: a stdlib script that binds a Unix socket, listens for
 ``argv[2]`` seconds and prints how many bytes its clients sent (an
@@ -22,18 +23,11 @@ skip unless the suite runs as root.
 
 from __future__ import annotations
 
-import gc
-import json
 import os
 import pwd
-import select
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
-import time
-import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -101,56 +95,6 @@ def spawn_as_nobody(script: str, *args: str) -> subprocess.Popen[str]:
     """``as_nobody`` without waiting: the process, its stdout piped."""
     return subprocess.Popen(_drop() + [system_python(), "-c", script, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd="/")
-
-
-def in_child_as_nobody(fn: Callable[[], Any], timeout_s: float = 120.0) -> Any:
-    """``fn()`` run in a forked child that dropped to nobody; its result (JSON), or its exception re-raised.
-
-    A fork copies a process whose other threads (telemetry exporters, gRPC, torch's pool) may hold
-    locks at that instant, and nothing in the child will ever release them. So the child runs no
-    garbage collection (the parent's unreachable generators would run their ``finally`` blocks and
-    take such a lock) and torch on one thread (OpenMP is not fork-safe), and a child that still
-    hangs is killed after ``timeout_s``: a failure, never a suite that waits forever.
-    """
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        code = 0
-        try:
-            gc.disable()
-            os.close(read_end)
-            torch_module = sys.modules.get("torch")
-            if torch_module is not None:
-                torch_module.set_num_threads(1)
-            os.setgroups([])
-            os.setgid(NOBODY.pw_gid)
-            os.setuid(NOBODY.pw_uid)
-            out = {"result": fn()}
-        except BaseException:  # noqa: BLE001 - reported to the parent
-            out, code = {"error": traceback.format_exc()}, 1
-        with os.fdopen(write_end, "w") as pipe:
-            json.dump(out, pipe)
-        os._exit(code)
-    os.close(write_end)
-    deadline = time.monotonic() + timeout_s
-    chunks: list[bytes] = []
-    with os.fdopen(read_end, "rb") as pipe:
-        while True:
-            ready, _, _ = select.select([pipe], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                raise AssertionError(f"as nobody: the child did not answer within {timeout_s:.0f} s (killed)")
-            chunk = os.read(pipe.fileno(), 65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    os.waitpid(pid, 0)
-    text = b"".join(chunks).decode()
-    out = json.loads(text) if text else {"error": "the child died without an answer"}
-    if "error" in out:
-        raise AssertionError(f"as nobody: {out['error']}")
-    return out["result"]
 
 
 @pytest.fixture

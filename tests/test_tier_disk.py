@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import anyio
@@ -13,7 +16,7 @@ import pytest
 from flowkv.registry import resolve_tier
 from flowkv.tiers import DiskTier, DiskTierConfig, GuardedTier
 from flowkv.tiers.disk import key_digest
-from local_users import in_child_as_nobody, needs_root, shared_folder  # noqa: F401 - shared_folder is a fixture
+from local_users import needs_root
 from redis_servers import make_payload
 
 pytestmark = pytest.mark.anyio
@@ -235,27 +238,42 @@ async def test_folder_removed_while_running_is_made_again_by_the_next_write(tmp_
     assert tier.stats()["write_errors"] == 0 and file_of(root, same_shard).exists()
 
 
+_PERMISSION_CHILD = """
+import json, os, sys
+from pathlib import Path
+import anyio
+sys.path.insert(0, sys.argv[1])
+from test_tier_disk import KIB, chunk_key, disk_tier, file_of, make_payload
+
+root = Path(sys.argv[2])
+
+async def main():
+    tier = disk_tier(root)
+    await tier.put([(chunk_key(1), make_payload(KIB, 1, key=chunk_key(1)))])
+    os.chmod(file_of(root, chunk_key(1)), 0)
+    root.chmod(0o500)
+    try:
+        await tier.put([(chunk_key(2), make_payload(KIB, 2, key=chunk_key(2)))])
+        got = await tier.get([chunk_key(1), chunk_key(2)])
+        return {**tier.stats(), "answers": [blob is None for blob in got]}
+    finally:
+        root.chmod(0o700)
+
+print(json.dumps(anyio.run(main)))
+"""
+
+
 @needs_root
-def test_permission_denied_degrades_to_misses(shared_folder: Path) -> None:
-    # Root ignores file modes: the tier runs as nobody (a forked child that dropped privileges).
-    root = shared_folder / "cache"
-
-    def as_another_user() -> dict:
-        async def main() -> dict:
-            tier = disk_tier(root)
-            await tier.put([(chunk_key(1), make_payload(KIB, 1, key=chunk_key(1)))])
-            os.chmod(file_of(root, chunk_key(1)), 0)
-            root.chmod(0o500)
-            try:
-                await tier.put([(chunk_key(2), make_payload(KIB, 2, key=chunk_key(2)))])
-                got = await tier.get([chunk_key(1), chunk_key(2)])
-                return {**tier.stats(), "answers": [blob is None for blob in got]}
-            finally:
-                root.chmod(0o700)
-
-        return anyio.run(main)
-
-    stats = in_child_as_nobody(as_another_user)
+def test_permission_denied_degrades_to_misses(tmp_path: Path) -> None:
+    # Root ignores file modes: the tier runs in a process of root without the capabilities that let
+    # it (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH), so a file of mode 0 and a folder of 0500 refuse it
+    # as they refuse any user. (A new process, not a fork of this multi-threaded one.)
+    root = tmp_path / "cache"
+    done = subprocess.run(["setpriv", "--bounding-set=-dac_override,-dac_read_search", sys.executable, "-c",
+                           _PERMISSION_CHILD, str(Path(__file__).parent), str(root)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    stats = json.loads(done.stdout.strip().splitlines()[-1])
     assert stats["answers"] == [True, True]  # both misses
     assert stats["write_errors"] == 1 and stats["read_errors"] == 1
 
