@@ -290,7 +290,7 @@ class Engines:
     def of(self, row: Row):
         if self.row != row:
             self.close()
-            (self.folder / "ipc").mkdir(exist_ok=True)
+            (self.folder / "ipc").mkdir(mode=0o700, exist_ok=True)  # flowkv refuses a folder others may write
             self.llm = start_llm(row, connector_config(row, self.redis, self.folder))
             self.row = row
         return self.llm
