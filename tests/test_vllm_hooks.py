@@ -57,7 +57,9 @@ def run(tmp_path_factory) -> Run:
     monkeypatch.setenv(LOG_ENV, str(log))  # vLLM's processes inherit it
     try:
         llm = make_llm({"pipeline": "local-cpu", "chunk_size": CHUNK_SIZE, "tiers.memory.capacity": "64MiB"},
-                       connector=("FlowKVProbe", "vllm_probe"))
+                       connector=("FlowKVProbe", "vllm_probe"),
+                       # the subject is which process builds which side: vLLM's own process layout
+                       separate_processes=True)
         try:
             prefix = random_tokens(41, PREFIX)
             [cold] = generate(llm, [request(prefix + random_tokens(42, 20), max_tokens=3, tags=TAGS, cache_salt=SALT)])

@@ -43,7 +43,7 @@ import vllm  # noqa: F401,E402 - a broken vLLM install fails these tests; it nev
 from flowkv._testing.tiny_model import tiny_model  # noqa: E402
 from flowkv.integration.vllm.settings import whole_block_chunk_size  # noqa: E402
 from redis_servers import RedisServer, TlsFiles  # noqa: E402
-from vllm_helpers import LOOKUP_TIMEOUT_MS, random_tokens  # noqa: E402
+from vllm_helpers import LOOKUP_TIMEOUT_MS, engine_processes, random_tokens, shutdown_llm  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -176,21 +176,17 @@ def start_llm(row_or_baseline: Row | tuple[Shape, str, int], extra_config: dict[
                                     kv_role="kv_both", kv_connector_extra_config=extra_config)
     saved = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     try:
-        return LLM(model=str(shape.model(dtype)), dtype=dtype, block_size=block, max_model_len=MAX_MODEL_LEN,
-                   seed=0, enable_prefix_caching=False, enforce_eager=True,
-                   kv_cache_memory_bytes=KV_POOL_TOKENS * shape.bytes_per_token(dtype),
-                   kv_transfer_config=transfer)
+        with engine_processes(separate=False):  # in this process: a start costs ~2 s, not 20-40 s
+            return LLM(model=str(shape.model(dtype)), dtype=dtype, block_size=block, max_model_len=MAX_MODEL_LEN,
+                       seed=0, enable_prefix_caching=False, enforce_eager=True,
+                       kv_cache_memory_bytes=KV_POOL_TOKENS * shape.bytes_per_token(dtype),
+                       kv_transfer_config=transfer)
     finally:
         if saved is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved
 
 
-def stop_llm(llm) -> None:
-    engine_core = getattr(llm.llm_engine, "engine_core", None)
-    if engine_core is not None:
-        engine_core.shutdown()
-    del llm
-    gc.collect()
+stop_llm = shutdown_llm
 
 
 def generate(llm, prompts: list[list[int]], *, skip_save: bool = False,
@@ -219,9 +215,10 @@ comparisons = {"tokens": 0, "requests": 0}
 ran_rows: list[str] = []
 
 
-def baseline(row: Row, prompt: list[int]) -> list[int]:
-    """The unconnected vLLM's greedy tokens for ``prompt`` (one engine per configuration, started once)."""
-    config = row.baseline
+def run_baseline(config: tuple[Shape, str, int]) -> None:
+    """The unconnected vLLM of ``config`` generates every prompt of ``BASELINE_PROMPTS`` (one engine per
+    configuration, started once). Engines run in this process, one at a time: vLLM keeps a worker's
+    connector in a process-wide slot, so an unconnected engine beside a connected one would find it."""
     if config not in _baseline_tokens:
         llm = start_llm(config)
         try:
@@ -230,7 +227,11 @@ def baseline(row: Row, prompt: list[int]) -> list[int]:
             assert all(cached == 0 for _, cached in generate(llm, prompts[:1]))  # no connector: nothing loaded
         finally:
             stop_llm(llm)
-    return _baseline_tokens[config][tuple(prompt)]
+
+
+def baseline(row: Row, prompt: list[int]) -> list[int]:
+    """The unconnected vLLM's greedy tokens for ``prompt`` (run before the row's engine started)."""
+    return _baseline_tokens[row.baseline][tuple(prompt)]
 
 
 def assert_same_tokens(row: Row, prompts: list[list[int]], results: list[tuple[list[int], int]]) -> None:
@@ -290,6 +291,7 @@ class Engines:
     def of(self, row: Row):
         if self.row != row:
             self.close()
+            run_baseline(row.baseline)
             (self.folder / "ipc").mkdir(mode=0o700, exist_ok=True)  # flowkv refuses a folder others may write
             self.llm = start_llm(row, connector_config(row, self.redis, self.folder))
             self.row = row

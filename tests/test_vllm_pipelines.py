@@ -38,8 +38,10 @@ def test_bad_pipeline_stops_vllm_at_start_with_every_error(tmp_path, capfd):
         'use = "gathr"\n',
         encoding="utf-8",
     )
+    # vLLM's own process layout: the engine core's failure reaches the user as a RuntimeError, the
+    # reasons in the log
     with pytest.raises(RuntimeError):
-        make_llm({"pipeline": str(bad)})
+        make_llm({"pipeline": str(bad)}, separate_processes=True)
     logs = capfd.readouterr().err
     assert f"{bad}:3:1: [pipeline]: unknown key 'chunk_sise'; did you mean 'chunk_size'?" in logs
     assert f"{bad}:10:1: unknown stage 'gathr'; did you mean 'gather'?" in logs
@@ -127,7 +129,7 @@ def test_with_vllm_prefix_caching_flowkv_serves_what_vllm_evicted():
     assert warm == cold
 
 
-def test_quality_record_of_another_model_stops_vllm_at_start(tmp_path, capfd):
+def test_quality_record_of_another_model_stops_vllm_at_start(tmp_path):
     """The shipped int8 pipeline, gated by a record whose model is not the one vLLM serves."""
     from flowkv.pipeline import resolve_source
 
@@ -140,14 +142,14 @@ def test_quality_record_of_another_model_stops_vllm_at_start(tmp_path, capfd):
         "codecs": [{"codec": "int8", "params": {"group_size": 0, "key_group_size": 0, "scale_dtype": "fp16"},
                     "agreement": 0.99}],
     }), encoding="utf-8")
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ValueError) as refused:  # an engine in this process: the error itself
         make_llm({"pipeline": str(gated), "tiers.disk.path": str(tmp_path / "disk")})
-    logs = capfd.readouterr().err
+    logs = str(refused.value)
     assert f"[quality] record {tmp_path / 'quality.json'} measured model /models/another, but vLLM serves" in logs
 
     # As shipped, its record measured flowkv's trained reference model: the tiny model needs its own.
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ValueError) as refused:
         make_llm({"pipeline": "cpu-disk-int8", "tiers.disk.path": str(tmp_path / "disk")})
-    logs = capfd.readouterr().err
+    logs = str(refused.value)
     assert "quality/cpu-disk-int8.json measured model " in logs and "trained-llama-" in logs
     assert "but vLLM serves" in logs and "config.json differs" in logs

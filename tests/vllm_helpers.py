@@ -8,6 +8,7 @@ and reused across runs.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import random
@@ -22,8 +23,12 @@ from flowkv.pipeline import dumps_pipeline
 
 BLOCK_SIZE = 128
 CHUNK_SIZE = 256
-# The tiny model's KV: 2 layers x 2 KV heads x 64 x (K, V) x bf16 = 1 KiB per token.
-KV_BYTES_PER_TOKEN = 2 * 2 * 64 * 2 * 2
+# The tests run the tiny model in float32: a bf16 model's greedy tokens change with the batch a
+# request lands in (near-ties flip, eager kernels more often than compiled ones), and the tests
+# compare tokens across batches. float32 leaves no such near-ties on these prompts.
+DTYPE = "float32"
+# The tiny model's KV: 2 layers x 2 KV heads x 64 x (K, V) x float32 = 2 KiB per token.
+KV_BYTES_PER_TOKEN = 2 * 2 * 64 * 2 * 4
 KV_BYTES_PER_BLOCK = KV_BYTES_PER_TOKEN * BLOCK_SIZE
 
 # How long the scheduler waits for the workers' lookup answer in tests: tests assert exact
@@ -48,6 +53,7 @@ def make_llm(
     max_model_len: int = 4096,
     max_num_batched_tokens: int | None = None,
     connector: tuple[str, str] = ("FlowKVConnector", "flowkv.integration.vllm"),
+    separate_processes: bool = False,
     **llm_kwargs: Any,
 ):
     """A ``vllm.LLM`` on the tiny model with flowkv as its KV connector.
@@ -56,18 +62,52 @@ def make_llm(
     counts exactly the tokens flowkv loaded. ``kv_cache_blocks`` sizes vLLM's
     KV pool in blocks. ``connector`` is the connector's (class name, module).
     The lookup timeout is ``LOOKUP_TIMEOUT_MS`` unless ``extra_config`` sets one.
+
+    Engines are eager and, unless ``separate_processes``, run in the test's own process
+    (vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core and the worker in-process,
+    flowkv's scheduler and worker sides still talking over their sockets): a start then costs
+    ~2 s instead of 20-40 s on two cores. ``separate_processes=True`` starts vLLM's default
+    process layout (engine core and worker spawned), as ``vllm.LLM`` runs for a user.
     """
     extra_config = {"lookup_timeout_ms": LOOKUP_TIMEOUT_MS, **extra_config}
     if max_num_batched_tokens is not None:
         llm_kwargs["max_num_batched_tokens"] = max_num_batched_tokens
     llm_kwargs.setdefault("enable_prefix_caching", False)
+    llm_kwargs.setdefault("enforce_eager", True)
+    llm_kwargs.setdefault("dtype", DTYPE)
     # vLLM's CPU platform lets this variable override kv_cache_memory_bytes.
     saved_space = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     try:
-        return _make_llm(extra_config, kv_cache_blocks * KV_BYTES_PER_BLOCK, max_model_len, connector, llm_kwargs)
+        with engine_processes(separate=separate_processes):
+            return _make_llm(extra_config, kv_cache_blocks * KV_BYTES_PER_BLOCK, max_model_len, connector,
+                             llm_kwargs)
     finally:
         if saved_space is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved_space
+
+
+_MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+@contextlib.contextmanager
+def engine_processes(*, separate: bool) -> Iterator[None]:
+    """vLLM's process layout for the engines built inside: ``separate`` (engine core and worker
+    spawned, vLLM's default) or all in this process. vLLM reads the variable while it builds the
+    engine and then caches its variables (``envs.enable_envs_cache``): the cache is dropped first,
+    so this engine reads the value set here."""
+    from vllm import envs
+
+    envs.disable_envs_cache()
+    saved = os.environ.get(_MULTIPROCESSING)
+    os.environ[_MULTIPROCESSING] = "1" if separate else "0"
+    try:
+        yield
+    finally:
+        envs.disable_envs_cache()
+        if saved is None:
+            os.environ.pop(_MULTIPROCESSING, None)
+        else:
+            os.environ[_MULTIPROCESSING] = saved
 
 
 def _make_llm(extra_config: dict[str, Any], kv_bytes: int, max_model_len: int, connector: tuple[str, str],
@@ -77,7 +117,6 @@ def _make_llm(extra_config: dict[str, Any], kv_bytes: int, max_model_len: int, c
 
     return LLM(
         model=str(tiny_model_dir()),
-        dtype="bfloat16",
         block_size=BLOCK_SIZE,
         max_model_len=max_model_len,
         seed=0,
@@ -93,11 +132,23 @@ def _make_llm(extra_config: dict[str, Any], kv_bytes: int, max_model_len: int, c
 
 
 def shutdown_llm(llm) -> None:
-    """Stop vLLM's engine-core and worker processes now, not at interpreter exit."""
+    """Stop vLLM's engine-core and worker processes now (or, for an engine in this process, its
+    engine core, worker and flowkv connector), not at interpreter exit; free what an in-process
+    engine held, so the next one starts clean."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
     engine_core = getattr(llm.llm_engine, "engine_core", None)
     if engine_core is not None and hasattr(engine_core, "shutdown"):
         engine_core.shutdown()
-    del llm
+    del llm, engine_core
+    # vLLM's in-process executor leaves the worker's connector in its process-wide slot (a worker
+    # process would exit): shut it down, or the next engine of this process would find it there.
+    ensure_kv_transfer_shutdown()
+    # An in-process engine core freezes the heap it started with (gc.freeze, to shorten GC pauses
+    # of a long-lived server): unfrozen, the stopped engine's model and KV pool can be collected.
+    gc.unfreeze()
+    cleanup_dist_env_and_memory()
     gc.collect()
 
 
