@@ -133,3 +133,16 @@ def pytest_collection_modifyitems(session, config, items):
 def pytest_report_header(config):
     seed = config.getoption("--shuffle")
     return None if seed is None else f"flowkv: test order shuffled with seed {seed}"
+
+
+@pytest.fixture
+def engines_in_this_process(monkeypatch):
+    """The vLLM engines flowkv's CLI builds in this test (``flowkv demo``, ``bench``, ``quality``, run
+    through ``flowkv.cli.main``) start eager (vLLM's CPU CI switch) and in the test's own process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ~2 s a start instead of 20-40 s. What the CLI prints and
+    what flowkv serves do not depend on either; the README demo's own layout keeps a test of its own."""
+    from vllm_helpers import engine_processes
+
+    monkeypatch.setenv("VLLM_CPU_CI_ENV", "1")
+    with engine_processes(separate=False):
+        yield

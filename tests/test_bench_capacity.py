@@ -54,7 +54,7 @@ def test_bad_options_are_refused(capsys):
 
 
 @pytest.mark.vllm
-def test_int8_holds_more_documents_than_raw_in_the_same_disk(capsys):
+def test_int8_holds_more_documents_than_raw_in_the_same_disk(capsys, engines_in_this_process):
     """Two vLLM runs of the demo model (raw, int8) on 4 documents of 512 tokens and a 5 MiB disk:
     raw documents take 2 MiB each, so at most 2 fit; int8 ones about 1.1 MiB, so all 4 do, and
     every held document comes back whole from disk."""

@@ -226,7 +226,7 @@ INT8_FLOOR = 0.75
 
 
 @pytest.mark.vllm
-def test_quality_run_with_vllm_measures_int4_below_int8_and_the_gate_uses_it(tmp_path, capsys):
+def test_quality_run_with_vllm_measures_int4_below_int8_and_the_gate_uses_it(tmp_path, capsys, engines_in_this_process):
     """One vLLM on the tiny test model: int8 stays with the uncompressed model, int4 drifts,
     and the record written by the run lets the pipeline load at one minimum and not another."""
     from vllm_helpers import tiny_model_dir

@@ -49,7 +49,10 @@ def own_environment():
 
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
-def test_demo_table_follows_from_its_rows_and_its_trace_summarizes(layerwise, tmp_path, capsys, own_environment):
+def test_demo_table_follows_from_its_rows_and_its_trace_summarizes(layerwise, tmp_path, capsys, own_environment,
+                                                                  request):
+    if layerwise:  # the plain demo runs as `make demo` runs it (vLLM's compiled default, its own processes)
+        request.getfixturevalue("engines_in_this_process")
     traces = tmp_path / "traces"
     argv = ["demo", "--documents", str(DOCUMENTS), "--doc-tokens", str(DOC_TOKENS), "--traces", str(traces),
             "--model-dir", str(model_dir())]
@@ -113,7 +116,7 @@ def test_demo_table_follows_from_its_rows_and_its_trace_summarizes(layerwise, tm
     assert page.stat().st_size > 0 and "scatter" in page.read_text()
 
 
-def test_bench_ttft_speedups_are_the_ratios_of_its_times(capsys, own_environment):
+def test_bench_ttft_speedups_are_the_ratios_of_its_times(capsys, own_environment, engines_in_this_process):
     lengths = [1024, 2048]
     peers = "no cache,vLLM prefix cache,flowkv,ExampleConnector,OffloadingConnector,SimpleCPUOffloadConnector"
     argv = ["bench", "ttft", "--lengths", ",".join(map(str, lengths)), "--repeats", "1", "--peers", peers,

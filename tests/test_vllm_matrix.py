@@ -28,7 +28,6 @@ recovery chunks are written to the tier and served from it again.
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import time

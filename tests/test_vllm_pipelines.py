@@ -1,6 +1,6 @@
 """Choosing a pipeline for vLLM: errors at start-up, and a disk tier across restarts.
 
-Each test starts its own vLLM engines (about 20-40 s each on two cores).
+Each test starts its own vLLM engines (in this process, ~2 s each; see vllm_helpers.make_llm).
 """
 
 from __future__ import annotations
@@ -153,3 +153,20 @@ def test_quality_record_of_another_model_stops_vllm_at_start(tmp_path):
     logs = str(refused.value)
     assert "quality/cpu-disk-int8.json measured model " in logs and "trained-llama-" in logs
     assert "but vLLM serves" in logs and "config.json differs" in logs
+
+
+def test_an_engine_in_this_process_leaves_its_workers_connector_behind_and_shutdown_clears_it():
+    """vLLM's fact the in-process engines of the tests (and of flowkv's CLI) rely on: its in-process
+    executor's shutdown leaves the worker's connector in vLLM's process-wide slot (a worker process
+    would exit), so ``flowkv.integration.harness.shutdown`` shuts it down and empties the slot."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
+
+    from flowkv.integration.harness import shutdown
+
+    llm = make_llm({"pipeline": "local-cpu", "tiers.memory.capacity": "64MiB"})
+    assert has_kv_transfer_group()
+    connector = get_kv_transfer_group()
+    llm.llm_engine.engine_core.shutdown()
+    assert has_kv_transfer_group() and get_kv_transfer_group() is connector
+    shutdown(llm)
+    assert not has_kv_transfer_group()

@@ -18,7 +18,7 @@ import pytest
 
 import vllm  # noqa: F401,E402 - a broken vLLM install fails these tests; it never skips them
 
-from vllm_helpers import random_tokens  # noqa: E402
+from vllm_helpers import KV_BYTES_PER_TOKEN, random_tokens  # noqa: E402
 from vllm_server import start_server  # noqa: E402
 
 from flowkv.integration._ipc import query_worker  # noqa: E402
@@ -50,8 +50,8 @@ def test_cached_tokens_count_what_loaded_when_a_chunk_on_disk_is_corrupt(tmp_pat
     disk = tmp_path / "disk"
     server = start_server(tmp_path / "server", kv_extra={
         "pipeline": "cpu-disk", "chunk_size": CHUNK, "tiers.disk.path": str(disk),
-        # 8 chunks of the tiny model (1 KiB a token): two more documents push the first out.
-        "tiers.memory.capacity": 8 * CHUNK * 1024,
+        # 8 chunks of the tiny model: two more documents push the first out.
+        "tiers.memory.capacity": 8 * CHUNK * KV_BYTES_PER_TOKEN,
     })
     try:
         doc = random_tokens(81, DOC)

@@ -30,7 +30,7 @@ import pytest
 
 from flowkv.integration._ipc import query_worker
 from redis_servers import RedisServer
-from vllm_helpers import KV_BYTES_PER_TOKEN as BF16_KV_BYTES_PER_TOKEN
+from vllm_helpers import DTYPE, KV_BYTES_PER_TOKEN
 from vllm_server import start_server
 
 pytestmark = pytest.mark.vllm
@@ -39,8 +39,7 @@ pytestmark = pytest.mark.vllm
 # own block hashes (flowkv/integration/vllm/chunk_hashes.py), the README's set-up for that.
 CHUNK = 128
 DOC = 3 * CHUNK  # each document: 3 whole chunks
-DTYPE = "float32"
-KV_BYTES_PER_CHUNK = CHUNK * BF16_KV_BYTES_PER_TOKEN * 2  # float32
+KV_BYTES_PER_CHUNK = CHUNK * KV_BYTES_PER_TOKEN
 MEMORY_CHUNKS = 16  # fewer than the documents the soak cycles through: some hits must come from Redis
 DOCUMENTS = 8
 CLIENTS = 4

@@ -9,7 +9,6 @@ and reused across runs.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import random
 from collections.abc import Iterator, Sequence
@@ -132,24 +131,11 @@ def _make_llm(extra_config: dict[str, Any], kv_bytes: int, max_model_len: int, c
 
 
 def shutdown_llm(llm) -> None:
-    """Stop vLLM's engine-core and worker processes now (or, for an engine in this process, its
-    engine core, worker and flowkv connector), not at interpreter exit; free what an in-process
-    engine held, so the next one starts clean."""
-    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    """Stop vLLM's engine-core and worker processes now, not at interpreter exit (an engine in this
+    process: its engine core, worker and flowkv connector, and free what it held)."""
+    from flowkv.integration.harness import shutdown
 
-    engine_core = getattr(llm.llm_engine, "engine_core", None)
-    if engine_core is not None and hasattr(engine_core, "shutdown"):
-        engine_core.shutdown()
-    del llm, engine_core
-    # vLLM's in-process executor leaves the worker's connector in its process-wide slot (a worker
-    # process would exit): shut it down, or the next engine of this process would find it there.
-    ensure_kv_transfer_shutdown()
-    # An in-process engine core freezes the heap it started with (gc.freeze, to shorten GC pauses
-    # of a long-lived server): unfrozen, the stopped engine's model and KV pool can be collected.
-    gc.unfreeze()
-    cleanup_dist_env_and_memory()
-    gc.collect()
+    shutdown(llm)
 
 
 def random_tokens(seed: int, count: int) -> list[int]:

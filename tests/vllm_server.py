@@ -14,7 +14,8 @@ server per test module (a start costs 25-70 s on two cores); import them::
 
 ``start_server(folder, kv_extra={...}, args=[...], env={...})`` starts one
 with other settings (another pipeline, vLLM flags, environment); the caller
-stops it (``close()``). Servers run vLLM's compiled default; ``compiled=False`` starts one eager.
+stops it (``close()``). Servers run eager and in float32 (as the tests' ``vllm.LLM`` engines do, see
+``vllm_helpers.DTYPE``); ``compiled=True`` runs vLLM's compiled default (the main fixtures below).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 
 import pytest
 
-from vllm_helpers import BLOCK_SIZE, KV_BYTES_PER_BLOCK, tiny_model_dir
+from vllm_helpers import BLOCK_SIZE, DTYPE, KV_BYTES_PER_BLOCK, tiny_model_dir
 
 MODEL_NAME = "tiny"
 # A start that has not answered /health by then hangs (a readiness bound, not a speed claim).
@@ -50,7 +51,7 @@ STOP_TIMEOUT_S = 300.0
 LOOKUP_TIMEOUT_MS = 10_000
 
 
-# Bytes per element of the dtypes the tests serve the tiny model in (KV_BYTES_PER_BLOCK is bf16's).
+# Bytes per element of the dtypes the tests serve the tiny model in (KV_BYTES_PER_BLOCK is DTYPE's).
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -116,8 +117,8 @@ class VllmServer:
     """One ``vllm serve`` process tree on loopback; see the module's docstring."""
 
     def __init__(self, folder: Path, *, kv_extra: dict[str, Any] | None = None, args: Sequence[str] = (),
-                 kv_cache_blocks: int = 512, env: dict[str, str] | None = None, compiled: bool = True,
-                 dtype: str = "bfloat16") -> None:
+                 kv_cache_blocks: int = 512, env: dict[str, str] | None = None, compiled: bool = False,
+                 dtype: str = DTYPE) -> None:
         self.folder = folder
         self.env = env or {}
         self.compiled = compiled
@@ -132,12 +133,12 @@ class VllmServer:
             "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", dtype, "--block-size", str(BLOCK_SIZE), "--max-model-len", "4096",
             "--no-enable-prefix-caching", "--seed", "0",
-            "--kv-cache-memory-bytes", str(kv_cache_blocks * KV_BYTES_PER_BLOCK * DTYPE_BYTES[dtype] // 2),
+            "--kv-cache-memory-bytes", str(kv_cache_blocks * KV_BYTES_PER_BLOCK * DTYPE_BYTES[dtype] // DTYPE_BYTES[DTYPE]),
             "--enable-prompt-tokens-details",
         ]
         if not compiled:
-            # Eager starts 10-40 s sooner on two cores, but its bf16 greedy tokens change with the batch a
-            # request lands in (near-ties flip): only for tests that compare nothing across batches.
+            # Eager starts 10-40 s sooner on two cores (torch.compile is not these tests' subject). In bf16
+            # its greedy tokens change with the batch a request lands in (near-ties flip): hence float32.
             command.append("--enforce-eager")
         if kv_extra is not None:
             config = flowkv_transfer_config(ipc_dir=str(self.ipc_dir),
