@@ -140,7 +140,8 @@ def engines_in_this_process(monkeypatch):
     """The vLLM engines flowkv's CLI builds in this test (``flowkv demo``, ``bench``, ``quality``, run
     through ``flowkv.cli.main``) start eager (vLLM's CPU CI switch) and in the test's own process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ~2 s a start instead of 20-40 s. What the CLI prints and
-    what flowkv serves do not depend on either; the README demo's own layout keeps a test of its own."""
+    what flowkv serves do not depend on either (vLLM's own layout and compiled engines run under
+    ``vllm serve`` in tests/test_vllm_serve.py, its own layout for ``vllm.LLM`` in test_vllm_hooks.py)."""
     from vllm_helpers import engine_processes
 
     monkeypatch.setenv("VLLM_CPU_CI_ENV", "1")

@@ -50,9 +50,7 @@ def own_environment():
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 def test_demo_table_follows_from_its_rows_and_its_trace_summarizes(layerwise, tmp_path, capsys, own_environment,
-                                                                  request):
-    if layerwise:  # the plain demo runs as `make demo` runs it (vLLM's compiled default, its own processes)
-        request.getfixturevalue("engines_in_this_process")
+                                                                  engines_in_this_process):
     traces = tmp_path / "traces"
     argv = ["demo", "--documents", str(DOCUMENTS), "--doc-tokens", str(DOC_TOKENS), "--traces", str(traces),
             "--model-dir", str(model_dir())]

@@ -84,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=int, default=256, help="flowkv's chunk size (default 256)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn vLLM's own prefix cache off (every reuse then comes from the connector)")
+    parser.add_argument("--eager", action="store_true",
+                        help="start each vllm serve with --enforce-eager: sooner, but not the compiled "
+                             "engine users serve with (for a quick look, not for figures)")
     parser.add_argument("--model-dir", default=str(default_model_dir()), help="the model folder (default: the demo model)")
     parser.add_argument("--plot", metavar="FILE.png", help="write requests/s and p99 TTFT against concurrency")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -146,7 +149,7 @@ class Server:
     """One ``vllm serve`` on loopback, in a process group of its own, its output in ``log``."""
 
     def __init__(self, model: Path, folder: Path, *, transfer: dict[str, Any] | None, pool_bytes: int,
-                 max_model_len: int, prefix_caching: bool = True) -> None:
+                 max_model_len: int, prefix_caching: bool = True, eager: bool = False) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = folder / "server.log"
@@ -156,6 +159,8 @@ class Server:
                         "--seed", "0"]
         if not prefix_caching:
             self.command.append("--no-enable-prefix-caching")
+        if eager:
+            self.command.append("--enforce-eager")
         if transfer is not None:
             self.command += ["--kv-transfer-config", json.dumps(transfer)]
         self.proc: subprocess.Popen | None = None
@@ -283,7 +288,8 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {"model": str(model), "configs": configs, "concurrency": levels,
                                "workload": {k: getattr(args, k) for k in ("docs", "asks", "doc_tokens",
                                             "question_tokens", "output_tokens", "pool_docs", "memory_docs",
-                                            "repeats")} | {"vllm_prefix_caching": not args.no_prefix_caching},
+                                            "repeats")} | {"vllm_prefix_caching": not args.no_prefix_caching,
+                                                          "eager": args.eager},
                                "runs": {}, "median": {}, "failed": {}}
     # The ceiling's pool holds every document of every level (each level has documents of its own).
     pools = {config: (args.docs * len(levels) + args.pool_docs if config == "ceiling" else args.pool_docs)
@@ -305,7 +311,8 @@ def run(args: argparse.Namespace) -> int:
                 try:
                     server = Server(model, log_folder, transfer=transfer, max_model_len=max_model_len,
                                     pool_bytes=pools[config] * max_model_len * token_bytes,
-                                    prefix_caching=config == "ceiling" or not args.no_prefix_caching)
+                                    prefix_caching=config == "ceiling" or not args.no_prefix_caching,
+                                    eager=args.eager)
                     with server:
                         for index, level in enumerate(levels):
                             run = drive(server, args, model=model, concurrency=level, seed=1000 * repeat + index,

@@ -132,13 +132,10 @@ def time_to_first_token(llm: Any, prompt_ids: list[int], *, skip_save: bool = Fa
 def shutdown(llm: Any) -> None:
     """Stop a vLLM engine and its processes before another starts.
 
-    An engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) needs more than its engine
-    core's shutdown: vLLM leaves its worker's connector in a process-wide slot (a worker process
-    would exit instead), where the next engine of this process would find it, and its engine core
-    froze the heap it started with (``gc.freeze``), which would keep the stopped engine's model and
-    KV pool alive.
+    An engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) froze the heap it started with
+    (``gc.freeze``, to shorten a long-lived server's collections): unfrozen, the stopped engine's
+    model and KV pool can be collected before the next engine allocates its own.
     """
-    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     try:
@@ -146,7 +143,6 @@ def shutdown(llm: Any) -> None:
     except Exception:
         pass
     del llm
-    ensure_kv_transfer_shutdown()
     gc.unfreeze()
     cleanup_dist_env_and_memory()
     gc.collect()
