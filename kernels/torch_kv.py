@@ -275,19 +275,21 @@ def _set_thread_cores(cores: set[int]) -> bool:
     return True
 
 
-def _allowed_cores() -> set[int]:
-    """Every core this process may run on, whatever the calling thread is pinned to: a new
-    thread asks for all of them (the kernel keeps those the cpuset allows)."""
-    allowed: set[int] = set()
-
-    def ask() -> None:
-        if _set_thread_cores(set(range(os.cpu_count() or 1))):
-            allowed.update(os.sched_getaffinity(0))
-
-    probe = threading.Thread(target=ask, name="flowkv-cores")
-    probe.start()
-    probe.join()
-    return allowed
+def _process_cores() -> set[int]:
+    """The cores this process's threads may run on, whatever the calling thread is pinned to:
+    the union of every thread's affinity. Inside vLLM's worker that is the cores of
+    ``VLLM_CPU_OMP_THREADS_BIND`` (one OpenMP thread pinned to each); under ``taskset`` it
+    stays within the set given."""
+    cores: set[int] = set()
+    try:
+        for task in os.listdir("/proc/self/task"):
+            try:
+                cores |= os.sched_getaffinity(int(task))
+            except OSError:  # the thread ended meanwhile
+                continue
+    except OSError:
+        pass
+    return cores
 
 
 def helper_cores() -> set[int] | None:
@@ -301,8 +303,7 @@ def helper_cores() -> set[int] | None:
     OpenMP workers wait while the connector copies between forward passes."""
     if not hasattr(os, "sched_setaffinity"):
         return None
-    mine = os.sched_getaffinity(0)
-    others = _allowed_cores() - mine
+    others = _process_cores() - os.sched_getaffinity(0)
     return others or None
 
 

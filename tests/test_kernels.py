@@ -507,13 +507,23 @@ needs_two_cores = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len
 
 def _pinned_copy(monkeypatch, affinity: str):
     """A fresh copier's first copy made by the main thread pinned to its first core, as
-    vLLM's worker thread (the OpenMP master) is pinned: (the copier, the caller's core, the
-    cores of each helper thread)."""
+    vLLM's worker thread (the OpenMP master) is pinned, its other OpenMP threads on the other
+    cores: (the copier, the caller's core, the cores of each helper thread)."""
     import threading
 
     from flowkv.kernels import torch_kv
 
     cores = sorted(os.sched_getaffinity(0))
+    # vLLM's other OpenMP threads, one pinned to each other core, waiting between forward passes.
+    release = threading.Event()
+
+    def openmp_worker(core: int) -> None:
+        os.sched_setaffinity(0, {core})
+        release.wait()
+
+    workers = [threading.Thread(target=openmp_worker, args=(core,)) for core in cores[1:]]
+    for worker in workers:
+        worker.start()
     copier = torch_kv.RowCopier()
     monkeypatch.setattr(torch_kv, "copier", copier)
     monkeypatch.setattr(torch_kv, "HELPER_AFFINITY", affinity)
@@ -528,6 +538,9 @@ def _pinned_copy(monkeypatch, affinity: str):
         chunk = gather(source, g, slots, g.empty_chunk(64))
     finally:
         os.sched_setaffinity(0, set(cores))
+        release.set()
+        for worker in workers:
+            worker.join()
     assert torch.equal(chunk, reference_gather(source, g, slots))
     helpers = [t for t in threading.enumerate() if t in copier._threads]
     assert len(helpers) == copier.helpers >= 1
@@ -538,12 +551,14 @@ def _pinned_copy(monkeypatch, affinity: str):
 def test_copy_helpers_started_by_a_pinned_thread_run_off_its_core(monkeypatch):
     """vLLM pins its worker thread to one core; the copy helpers that thread starts would
     inherit that core and copy nothing in parallel. They go to the other cores."""
+    from flowkv.kernels import torch_kv
+
     copier, caller_core, helper_cores = _pinned_copy(monkeypatch, "free")
     others = sorted(set(os.sched_getaffinity(0)) - {caller_core})
     assert copier.cores is not None and caller_core not in copier.cores and set(others) <= set(copier.cores)
+    # never outside the cores the process's threads may use (taskset)
+    assert set(copier.cores) <= torch_kv._process_cores()
     assert all(cores == set(copier.cores) for cores in helper_cores), helper_cores
-    from flowkv.kernels import torch_kv
-
     # one helper per free core, at most MAX_HELPERS
     assert copier.helpers == min(torch_kv.MAX_HELPERS, len(copier.cores))
 
