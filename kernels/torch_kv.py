@@ -379,7 +379,8 @@ class RowCopier:
                 self._jobs.put(job)
         job.work(helper=False)
         job.finish()
-        self.pieces += count
+        with self._lock:
+            self.pieces += count
 
 
 #: The copier the kernels use. Its helpers start with its first copy, placed by the thread
