@@ -171,27 +171,29 @@ _StaticPlan = tuple[int, tuple[int, ...], tuple[tuple[int, int], ...], int, int,
 
 def _row_plan(
     group: torch.Tensor, chunk: torch.Tensor, order: tuple[int, ...], slots: torch.Tensor,
-    block_ids: torch.Tensor | None,
+    block_ids: torch.Tensor | None, chunks: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """(cache rows as an ``(N, row)`` tensor over the group's storage, the row index in
-    the chunk's physical order, row length in elements), or None if no row fits."""
+    the chunk's physical order as ``(chunks, rows per chunk)``, row length in elements), or
+    None if no row fits. ``slots`` (and ``block_ids``) may cover ``chunks`` buffers alike in
+    shape and layout, one after another: one plan for all of them (a request's chunks)."""
     static = _static_plan(tuple(group.shape), group.stride(), group.storage_offset(), tuple(chunk.shape),
                           chunk.stride(), order, block_ids is not None)
     if static is None:
         return None
     row, shape, affine, mapped, block_rows, offset_rows = static
-    index = _frame_rows(group.device, group.storage_offset() // row, shape, affine)
+    frame = _frame_rows(group.device, group.storage_offset() // row, shape, affine)
     if block_ids is not None:
         per_slot = block_ids * block_rows
     else:
         block_size = group.shape[3]
         per_slot = (slots // block_size) * block_rows + (slots % block_size) * offset_rows
-    view = [1] * len(shape)
-    view[mapped] = shape[mapped]
-    index = index + per_slot.to(index.device).view(view)
+    view = [chunks] + [1] * len(shape)
+    view[1 + mapped] = shape[mapped]
+    index = frame.unsqueeze(0) + per_slot.to(frame.device).view(view)
     storage_elems = group.untyped_storage().nbytes() // group.element_size()
     rows = group.as_strided((storage_elems // row, row), (row, 1), 0)
-    return rows, index.reshape(-1), row
+    return rows, index.reshape(chunks, -1), row
 
 
 @functools.lru_cache(maxsize=256)
@@ -461,6 +463,7 @@ def _move_dense(groups: list[LayerGroup], slots: torch.Tensor, chunk: torch.Tens
                 _scatter_by_indexing(part, group, slots)
             continue
         rows, index, row = plan
+        index = index.reshape(-1)
         bits = _widest_int(row * part.element_size(), part)
         cache_rows, chunk_rows = rows.view(bits), physical.reshape(-1, row).view(bits)
         numpy = cache_rows.device.type == "cpu" and row * part.element_size() >= NUMPY_MIN_ROW_BYTES
@@ -532,27 +535,23 @@ def _joined_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], group: torch.Te
                 or chunk.data_ptr() != first.data_ptr() + i * pitch
                 or chunk.untyped_storage().data_ptr() != storage):
             return None
-    indices: list[torch.Tensor] = []
-    rows_of: torch.Tensor | None = None
-    row = 0
+    # One plan for all of them: the chunks' slots one after another. Whole blocks are
+    # whole blocks of each chunk when a chunk is whole blocks long (the runs align).
+    slots = torch.cat([part_slots for part_slots, _ in parts])
     block_size = group.shape[3]
-    for slots, chunk in parts:
-        plan = _row_plan(group, chunk, order, slots, whole_block_ids(slots, block_size))
-        if plan is None or (row and plan[2] != row):
-            return None
-        rows_of, index, row = plan
-        indices.append(index)
-    assert rows_of is not None
+    block_ids = whole_block_ids(slots, block_size) if first.shape[2] % block_size == 0 else None
+    plan = _row_plan(group, first, order, slots, block_ids, chunks=len(parts))
+    if plan is None:
+        return None
+    rows_of, index, row = plan
     note_row_bytes(row * group.element_size())
     if pitch == nbytes:
-        total = sum(index.numel() for index in indices)
-        return rows_of, torch.cat(indices), first.as_strided((total, row), (row, 1), first.storage_offset())
+        return rows_of, index.reshape(-1), first.as_strided((index.numel(), row), (row, 1), first.storage_offset())
     if pitch % (row * first.element_size()):
         return None
-    per_chunk = indices[0].numel()
-    joined = first.as_strided((len(parts), per_chunk, row), (pitch // first.element_size(), row, 1),
+    joined = first.as_strided((len(parts), index.shape[1], row), (pitch // first.element_size(), row, 1),
                               first.storage_offset())
-    return rows_of, torch.stack(indices), joined
+    return rows_of, index, joined
 
 
 def move_joined(groups: list[LayerGroup], parts: list[tuple[torch.Tensor, torch.Tensor]], *,

@@ -786,3 +786,31 @@ def test_one_layer_of_chunks_in_pieces_of_whole_chunks(helper, monkeypatch):
         scatter_many(parts, target, g, layers=[layer])
     assert torch.equal(torch.cat([obj.tensor for obj in objs], dim=2), reference_gather(source, g, slots))
     assert torch.equal(reference_gather(target, g, slots), reference_gather(source, g, slots))
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash_kv_nhd"])
+@pytest.mark.parametrize("case", ["chunks-not-whole-blocks", "one-chunk-of-loose-tokens"])
+def test_chunks_back_to_back_with_token_rows_move_in_one_copy(layout, case, monkeypatch):
+    """One plan over all the chunks' slots: chunks that are not whole blocks long, or one chunk
+    whose tokens are not whole blocks, still move as one copy (rows of one token), bitwise."""
+    from flowkv.kernels import gather_many, scatter_many, torch_kv
+    from flowkv.memory import MemoryArena
+
+    monkeypatch.setattr(torch_kv, "NUMPY_GATHER", False)  # count the gather as index_select calls
+    g = geometry_for(layout, block_size=16)
+    source = make_paged_kv(g, NUM_BLOCKS, seed=17)
+    size = 24 if case == "chunks-not-whole-blocks" else 32
+    slots = random_slot_mapping(3 * size, g, NUM_BLOCKS, seed=18)
+    if case == "one-chunk-of-loose-tokens":
+        loose = slots[size:2 * size]
+        slots[size:2 * size] = loose[torch.randperm(size, generator=torch.Generator().manual_seed(19))]
+    arena = MemoryArena(8 << 20, slab_bytes=1 << 20, prefault="off")
+    objs = _arena_chunks(g, arena, [size] * 3)
+    parts = [(slots[i * size:(i + 1) * size], obj.tensor) for i, obj in enumerate(objs)]
+    with _CountIndexCopies() as counted:
+        gather_many(source, g, parts)
+    assert counted.calls == 1
+    assert torch.equal(torch.cat([obj.tensor for obj in objs], dim=2), reference_gather(source, g, slots))
+    target = make_paged_kv(g, NUM_BLOCKS, seed=20, fill=False)
+    scatter_many(parts, target, g)
+    assert torch.equal(reference_gather(target, g, slots), reference_gather(source, g, slots))
