@@ -38,6 +38,7 @@ one element fits (a head dim that is not contiguous).
 from __future__ import annotations
 
 import functools
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -65,11 +66,22 @@ NUMPY_MIN_ROW_BYTES = 2048
 # 0.89 GB/s with the second core free (the helper thread takes half), 0.89 against 0.77 GB/s
 # with a forward-like load on it.
 NUMPY_GATHER = True
-# A CPU copy is cut into pieces of about this many bytes, which the caller and one helper
-# thread take turns at (see `_RowCopier`).
-PIECE_BYTES = 2 << 20
-# Whether a copy made on the main thread may use the helper thread.
+# A CPU copy is cut into pieces that the caller and the helper threads take turns at (see
+# `RowCopier`): about two per thread, none larger than PIECE_BYTES nor smaller than
+# MIN_PIECE_BYTES. Few pieces, because each piece costs its thread one wait for the GIL: with a
+# busy Python thread beside it (a span exporter, a tier's I/O) a thread that released the GIL
+# waits up to the switch interval to get it back. Measured here, one thread and such a Python
+# thread on its core, 128 MiB in rows of 64 KiB: np.take as one call 2.39 GB/s, in 64 pieces
+# of 2 MiB 1.37 GB/s (the torch copy of the same bytes 2.21 GB/s).
+PIECE_BYTES = 32 << 20
+MIN_PIECE_BYTES = 1 << 20
+# Whether a copy made on the main thread may use the helper threads.
 USE_HELPER = True
+# Most helper threads (the caller copies too); fewer when fewer cores are free (`helper_cores`).
+MAX_HELPERS = 3
+# "free": the helpers run off the cores their creator is pinned to (`helper_cores`);
+# "inherit": where their creator runs, as threads do (before; for measuring the difference).
+HELPER_AFFINITY = "free"
 
 # A dim of the copy, in the chunk's physical order: (size, stride in the chunk,
 # stride in the cache, or None for the one dim that maps through the slot mapping).
@@ -159,27 +171,29 @@ _StaticPlan = tuple[int, tuple[int, ...], tuple[tuple[int, int], ...], int, int,
 
 def _row_plan(
     group: torch.Tensor, chunk: torch.Tensor, order: tuple[int, ...], slots: torch.Tensor,
-    block_ids: torch.Tensor | None,
+    block_ids: torch.Tensor | None, chunks: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """(cache rows as an ``(N, row)`` tensor over the group's storage, the row index in
-    the chunk's physical order, row length in elements), or None if no row fits."""
+    the chunk's physical order as ``(chunks, rows per chunk)``, row length in elements), or
+    None if no row fits. ``slots`` (and ``block_ids``) may cover ``chunks`` buffers alike in
+    shape and layout, one after another: one plan for all of them (a request's chunks)."""
     static = _static_plan(tuple(group.shape), group.stride(), group.storage_offset(), tuple(chunk.shape),
                           chunk.stride(), order, block_ids is not None)
     if static is None:
         return None
     row, shape, affine, mapped, block_rows, offset_rows = static
-    index = _frame_rows(group.device, group.storage_offset() // row, shape, affine)
+    frame = _frame_rows(group.device, group.storage_offset() // row, shape, affine)
     if block_ids is not None:
         per_slot = block_ids * block_rows
     else:
         block_size = group.shape[3]
         per_slot = (slots // block_size) * block_rows + (slots % block_size) * offset_rows
-    view = [1] * len(shape)
-    view[mapped] = shape[mapped]
-    index = index + per_slot.to(index.device).view(view)
+    view = [chunks] + [1] * len(shape)
+    view[1 + mapped] = shape[mapped]
+    index = frame.unsqueeze(0) + per_slot.to(frame.device).view(view)
     storage_elems = group.untyped_storage().nbytes() // group.element_size()
     rows = group.as_strided((storage_elems // row, row), (row, 1), 0)
-    return rows, index.reshape(-1), row
+    return rows, index.reshape(chunks, -1), row
 
 
 @functools.lru_cache(maxsize=256)
@@ -221,20 +235,23 @@ class _Job:
         self.count = count
         self.piece = piece
         self.next = 0
-        self.busy = 0  # pieces a helper has in hand
+        self.busy = 0  # pieces helpers have in hand
         self.error: BaseException | None = None
         self.cond = threading.Condition()
 
-    def work(self, helper: bool) -> None:
+    def work(self, helper: bool) -> int:
+        """Take pieces until none is left; returns how many this thread copied."""
+        done = 0
         while True:
             with self.cond:
                 if self.next >= self.count or self.error is not None:
-                    return
+                    return done
                 index = self.next
                 self.next += 1
                 self.busy += helper
             try:
                 self.piece(index)
+                done += 1
             except BaseException as exc:  # handed to the caller
                 with self.cond:
                     self.error = self.error or exc
@@ -252,62 +269,154 @@ class _Job:
             raise self.error
 
 
-class _RowCopier:
-    """Runs a CPU copy's pieces on the calling thread and, while it is free, one helper thread.
+def _set_thread_cores(cores: set[int]) -> bool:
+    try:
+        os.sched_setaffinity(0, cores)  # 0: the calling thread only
+    except OSError:
+        return False
+    return True
 
-    The caller never waits for the helper to start: on a machine whose other cores are
+
+def _process_cores() -> set[int]:
+    """The cores this process's threads may run on, whatever the calling thread is pinned to:
+    the union of every thread's affinity. Inside vLLM's worker that is the cores of
+    ``VLLM_CPU_OMP_THREADS_BIND`` (one OpenMP thread pinned to each); under ``taskset`` it
+    stays within the set given."""
+    cores: set[int] = set()
+    try:
+        for task in os.listdir("/proc/self/task"):
+            try:
+                cores |= os.sched_getaffinity(int(task))
+            except OSError:  # the thread ended meanwhile
+                continue
+    except OSError:
+        pass
+    return cores
+
+
+def helper_cores() -> set[int] | None:
+    """The cores for copy helpers that the calling thread starts, or None to leave them on
+    the caller's (there is nothing else, or the caller is not pinned).
+
+    A thread inherits its creator's affinity. Inside vLLM's CPU worker the thread that
+    calls the connector is the OpenMP master, pinned to the first core of
+    ``VLLM_CPU_OMP_THREADS_BIND``: helpers it started would share that core and copy
+    nothing in parallel. They go to the process's other cores instead, where vLLM's
+    OpenMP workers wait while the connector copies between forward passes."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    others = _process_cores() - os.sched_getaffinity(0)
+    return others or None
+
+
+def _helped() -> bool:
+    """Whether a copy by this thread is shared with helpers: only the main thread's. A copy
+    on a side thread (layerwise) already overlaps the model's compute, and a helper would
+    take a core from it."""
+    return USE_HELPER and threading.current_thread() is threading.main_thread()
+
+
+class RowCopier:
+    """Runs a CPU copy's pieces on the calling thread and, while they are free, helper threads.
+
+    Once the helpers run (their start waits until each is on its cores), the caller never
+    waits for one to take a piece: on a machine whose other cores are
     busy (another process, the inference engine's OpenMP threads) the caller does every
     piece itself, where a parallel region of torch's would wait for a core at its barrier
     (measured here: a gather of 64 rows took 8 ms with two OpenMP threads, 8 us with one).
-    When a core is free, the helper takes half the pieces. numpy releases the GIL while
-    it copies.
+    When cores are free, the helpers take their share. numpy releases the GIL while it
+    copies. One helper per free core (see `helper_cores`), at most ``MAX_HELPERS``.
     """
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        self._started = False
+        #: The cores the helpers were placed on (None: their creator's).
+        self.cores: list[int] | None = None
         self._lock = threading.Lock()
+        #: Pieces copied since start, and of those by the helpers (benchmarks report the share).
+        self.pieces = 0
+        self.helper_pieces = 0
 
-    def _serve(self) -> None:
+    def _serve(self, cores: set[int] | None, placed: threading.Event) -> None:
+        if cores:
+            _set_thread_cores(cores)
+        placed.set()
         while True:
-            self._jobs.get().work(helper=True)
+            done = self._jobs.get().work(helper=True)
+            with self._lock:
+                self.helper_pieces += done
+
+    def _start(self) -> None:
+        cores = helper_cores() if HELPER_AFFINITY == "free" else None
+        self.cores = sorted(cores) if cores else None
+        free = len(cores) if cores else max(1, len(os.sched_getaffinity(0)) - 1)
+        for i in range(max(1, min(MAX_HELPERS, free))):
+            placed = threading.Event()
+            thread = threading.Thread(target=self._serve, args=(cores, placed), name=f"flowkv-copy-{i}",
+                                      daemon=True)
+            thread.start()
+            placed.wait()  # once per process: no helper ever copies on the caller's core
+            self._threads.append(thread)
+        self._started = True
+
+    @property
+    def helpers(self) -> int:
+        return len(self._threads)
+
+    def pieces_for(self, nbytes: int) -> int:
+        """How many pieces a copy of ``nbytes`` is cut into (see PIECE_BYTES)."""
+        threads = 1 + (max(1, self.helpers) if _helped() else 0)
+        count = max(2 * threads if threads > 1 else 1, -(-nbytes // PIECE_BYTES))
+        return max(1, min(count, nbytes // MIN_PIECE_BYTES))
 
     def run(self, count: int, piece: Callable[[int], None]) -> None:
         job = _Job(count, piece)
-        if count > 1 and USE_HELPER and threading.current_thread() is threading.main_thread():
-            # Only for the main thread: a copy on a side thread (layerwise) already
-            # overlaps the model's compute, and a helper would take a core from it.
+        if count > 1 and _helped():
             with self._lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._serve, name="flowkv-copy", daemon=True)
-                    self._thread.start()
-            self._jobs.put(job)
+                if not self._started:
+                    self._start()
+            for _ in range(min(count - 1, self.helpers)):
+                self._jobs.put(job)
         job.work(helper=False)
         job.finish()
+        with self._lock:
+            self.pieces += count
 
 
-_copier = _RowCopier()
+#: The copier the kernels use. Its helpers start with its first copy, placed by the thread
+#: that makes it (`helper_cores`); a benchmark swaps in a fresh one for each condition.
+copier = RowCopier()
 
 
 def _copy_rows_numpy(cache_rows: torch.Tensor, index: torch.Tensor, chunk_rows: torch.Tensor, *,
                      to_chunk: bool) -> None:
     """Rows ``index`` of ``cache_rows`` to/from consecutive rows of ``chunk_rows``, with numpy
-    (CPU tensors of one integer type): one memcpy per row, in pieces (see `_RowCopier`)."""
+    (CPU tensors of one integer type): one memcpy per row, in pieces (see `RowCopier`)."""
     cache, rows, chunk = cache_rows.numpy(), index.numpy(), chunk_rows.numpy()
     if rows.size and (rows.min() < 0 or rows.max() >= cache.shape[0]):  # "clip" below must never clip
         raise IndexError(f"row index out of range [0, {cache.shape[0]}): a kernel planning bug")
+    row_bytes = max(1, chunk.shape[-1] * chunk.itemsize)
     if chunk.ndim == 3:
-        # (chunks, rows, row) with gaps between the chunks: a piece is one chunk, whose rows are
-        # contiguous (numpy would buffer a copy into a strided ``out``).
-        def piece(i: int) -> None:
-            if to_chunk:
-                np.take(cache, rows[i], axis=0, out=chunk[i], mode="clip")
-            else:
-                cache[rows[i]] = chunk[i]
+        # (chunks, rows, row) with gaps between the chunks: a piece is a run of whole chunks.
+        # A gather takes one chunk at a time (numpy would buffer a take into a strided
+        # ``out``); a scatter writes the run in one assignment (numpy reads the strided rows
+        # as they are), one GIL release for the piece.
+        chunks = chunk.shape[0]
+        per_piece = -(-chunks // copier.pieces_for(rows.size * row_bytes))
 
-        _copier.run(chunk.shape[0], piece)
+        def run_of_chunks(i: int) -> None:
+            part = slice(i * per_piece, (i + 1) * per_piece)
+            if to_chunk:
+                for j in range(*part.indices(chunks)):
+                    np.take(cache, rows[j], axis=0, out=chunk[j], mode="clip")
+            else:
+                cache[rows[part]] = chunk[part]
+
+        copier.run(-(-chunks // per_piece), run_of_chunks)
         return
-    per_piece = max(1, PIECE_BYTES // max(1, chunk.shape[1] * chunk.itemsize))
+    per_piece = -(-rows.size // copier.pieces_for(rows.size * row_bytes))
     count = -(-rows.size // per_piece)
 
     def piece(i: int) -> None:
@@ -317,7 +426,7 @@ def _copy_rows_numpy(cache_rows: torch.Tensor, index: torch.Tensor, chunk_rows: 
         else:
             cache[rows[part]] = chunk[part]
 
-    _copier.run(count, piece)
+    copier.run(count, piece)
 
 
 def _gather_by_indexing(group: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
@@ -354,6 +463,7 @@ def _move_dense(groups: list[LayerGroup], slots: torch.Tensor, chunk: torch.Tens
                 _scatter_by_indexing(part, group, slots)
             continue
         rows, index, row = plan
+        index = index.reshape(-1)
         bits = _widest_int(row * part.element_size(), part)
         cache_rows, chunk_rows = rows.view(bits), physical.reshape(-1, row).view(bits)
         numpy = cache_rows.device.type == "cpu" and row * part.element_size() >= NUMPY_MIN_ROW_BYTES
@@ -425,27 +535,23 @@ def _joined_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], group: torch.Te
                 or chunk.data_ptr() != first.data_ptr() + i * pitch
                 or chunk.untyped_storage().data_ptr() != storage):
             return None
-    indices: list[torch.Tensor] = []
-    rows_of: torch.Tensor | None = None
-    row = 0
+    # One plan for all of them: the chunks' slots one after another. Whole blocks are
+    # whole blocks of each chunk when a chunk is whole blocks long (the runs align).
+    slots = torch.cat([part_slots for part_slots, _ in parts])
     block_size = group.shape[3]
-    for slots, chunk in parts:
-        plan = _row_plan(group, chunk, order, slots, whole_block_ids(slots, block_size))
-        if plan is None or (row and plan[2] != row):
-            return None
-        rows_of, index, row = plan
-        indices.append(index)
-    assert rows_of is not None
+    block_ids = whole_block_ids(slots, block_size) if first.shape[2] % block_size == 0 else None
+    plan = _row_plan(group, first, order, slots, block_ids, chunks=len(parts))
+    if plan is None:
+        return None
+    rows_of, index, row = plan
     note_row_bytes(row * group.element_size())
     if pitch == nbytes:
-        total = sum(index.numel() for index in indices)
-        return rows_of, torch.cat(indices), first.as_strided((total, row), (row, 1), first.storage_offset())
+        return rows_of, index.reshape(-1), first.as_strided((index.numel(), row), (row, 1), first.storage_offset())
     if pitch % (row * first.element_size()):
         return None
-    per_chunk = indices[0].numel()
-    joined = first.as_strided((len(parts), per_chunk, row), (pitch // first.element_size(), row, 1),
+    joined = first.as_strided((len(parts), index.shape[1], row), (pitch // first.element_size(), row, 1),
                               first.storage_offset())
-    return rows_of, torch.stack(indices), joined
+    return rows_of, index, joined
 
 
 def move_joined(groups: list[LayerGroup], parts: list[tuple[torch.Tensor, torch.Tensor]], *,

@@ -268,10 +268,15 @@ def _joinable(kv_caches: KVCaches, geometry: KVGeometry, parts: Sequence[tuple[t
     cache_layers, layer_ids = _layers(kv_caches, geometry, layers)
     if cache_layers[0].device.type != "cpu" or _choose_impl(impl, cache_layers[0].device) != "torch":
         return None
+    first_slots, first = parts[0]
     for slot_mapping, chunk in parts:
         _check_slot_mapping(slot_mapping)
         if slot_mapping.device.type != "cpu":
             return None
+        if chunk is not first and (chunk.shape == first.shape and chunk.stride() == first.stride()
+                                   and chunk.dtype == first.dtype and chunk.device == first.device
+                                   and slot_mapping.numel() == first_slots.numel()):
+            continue  # alike the first in everything `_check_chunk` reads: checked once
         _check_chunk(chunk, geometry, len(layer_ids), slot_mapping.numel(), cache_layers[0].device, name)
     joined = torch.cat([slot_mapping for slot_mapping, _ in parts])
     groups, joined = _groups_and_slots(cache_layers, layer_ids, geometry, joined)

@@ -6,6 +6,7 @@ layout table, independent of the kernels' own canonical views.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -500,6 +501,116 @@ def test_cpu_row_copy_in_pieces_is_bitwise(monkeypatch, helper):
 
 
 
+needs_two_cores = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                                     reason="needs two cores and thread affinity")
+
+
+def _pinned_copy(monkeypatch, affinity: str):
+    """A fresh copier's first copy made by the main thread pinned to its first core, as
+    vLLM's worker thread (the OpenMP master) is pinned, its other OpenMP threads on the other
+    cores: (the copier, the caller's core, the cores of each helper thread)."""
+    import threading
+
+    from flowkv.kernels import torch_kv
+
+    cores = sorted(os.sched_getaffinity(0))
+    # vLLM's other OpenMP threads, one pinned to each other core, waiting between forward passes.
+    release = threading.Event()
+
+    def openmp_worker(core: int) -> None:
+        os.sched_setaffinity(0, {core})
+        release.wait()
+
+    workers = [threading.Thread(target=openmp_worker, args=(core,)) for core in cores[1:]]
+    for worker in workers:
+        worker.start()
+    copier = torch_kv.RowCopier()
+    monkeypatch.setattr(torch_kv, "copier", copier)
+    monkeypatch.setattr(torch_kv, "HELPER_AFFINITY", affinity)
+    monkeypatch.setattr(torch_kv, "USE_HELPER", True)
+    monkeypatch.setattr(torch_kv, "NUMPY_GATHER", True)
+    monkeypatch.setattr(torch_kv, "MIN_PIECE_BYTES", 4096)
+    g = geometry_for("cpu", torch.float32)  # rows of 4 KiB
+    source = make_paged_kv(g, NUM_BLOCKS, seed=7)
+    slots = random_slot_mapping(64, g, NUM_BLOCKS, seed=8)
+    os.sched_setaffinity(0, {cores[0]})
+    try:
+        chunk = gather(source, g, slots, g.empty_chunk(64))
+    finally:
+        os.sched_setaffinity(0, set(cores))
+        release.set()
+        for worker in workers:
+            worker.join()
+    assert torch.equal(chunk, reference_gather(source, g, slots))
+    helpers = [t for t in threading.enumerate() if t in copier._threads]
+    assert len(helpers) == copier.helpers >= 1
+    return copier, cores[0], [os.sched_getaffinity(t.native_id) for t in helpers]
+
+
+@needs_two_cores
+def test_copy_helpers_started_by_a_pinned_thread_run_off_its_core(monkeypatch):
+    """vLLM pins its worker thread to one core; the copy helpers that thread starts would
+    inherit that core and copy nothing in parallel. They go to the other cores."""
+    from flowkv.kernels import torch_kv
+
+    copier, caller_core, helper_cores = _pinned_copy(monkeypatch, "free")
+    others = sorted(set(os.sched_getaffinity(0)) - {caller_core})
+    assert copier.cores is not None and caller_core not in copier.cores and set(others) <= set(copier.cores)
+    # never outside the cores the process's threads may use (taskset)
+    assert set(copier.cores) <= torch_kv._process_cores()
+    assert all(cores == set(copier.cores) for cores in helper_cores), helper_cores
+    # one helper per free core, at most MAX_HELPERS
+    assert copier.helpers == min(torch_kv.MAX_HELPERS, len(copier.cores))
+
+
+@needs_two_cores
+def test_copy_helpers_inherit_the_pinned_core_when_asked(monkeypatch):
+    """The "inherit" setting keeps the threads where they start (how they ran before): on the
+    caller's one core."""
+    copier, caller_core, helper_cores = _pinned_copy(monkeypatch, "inherit")
+    assert copier.cores is None and all(cores == {caller_core} for cores in helper_cores), helper_cores
+
+
+def test_a_cpu_copy_is_cut_into_few_pieces(monkeypatch):
+    """Each piece costs its thread one wait for the GIL: a copy is about two pieces per thread,
+    more only past PIECE_BYTES each, none below MIN_PIECE_BYTES."""
+    import threading
+
+    from flowkv.kernels import torch_kv
+
+    copier = torch_kv.RowCopier()  # not started: counts one helper
+    monkeypatch.setattr(torch_kv, "USE_HELPER", True)
+    mib = 1 << 20
+    assert copier.pieces_for(128 * mib) == 4
+    assert copier.pieces_for(24 * mib) == 4
+    assert copier.pieces_for(2048 * mib) == 2048 // (torch_kv.PIECE_BYTES // mib)
+    assert copier.pieces_for(3 * mib) == 3 and copier.pieces_for(mib // 2) == 1
+    monkeypatch.setattr(torch_kv, "USE_HELPER", False)
+    assert copier.pieces_for(24 * mib) == 1 and copier.pieces_for(128 * mib) == 4
+    monkeypatch.setattr(torch_kv, "USE_HELPER", True)
+    side: list[int] = []  # a side thread (layerwise) copies alone: no piece for a helper
+    thread = threading.Thread(target=lambda: side.append(copier.pieces_for(24 * mib)))
+    thread.start()
+    thread.join()
+    assert side == [1]
+
+
+def test_a_cpu_copy_in_few_pieces_moves_every_row(monkeypatch):
+    """Pieces of uneven size (rows that do not divide evenly): every row lands, gather and scatter."""
+    from flowkv.kernels import torch_kv
+
+    monkeypatch.setattr(torch_kv, "MIN_PIECE_BYTES", 4096)
+    monkeypatch.setattr(torch_kv, "PIECE_BYTES", 5 * 4096)
+    monkeypatch.setattr(torch_kv, "NUMPY_GATHER", True)
+    g = geometry_for("cpu", torch.float32)  # rows of 4 KiB; 48 tokens = 3 layers x 4 heads x 3 blocks = 36 rows
+    source = make_paged_kv(g, NUM_BLOCKS, seed=9)
+    slots = random_slot_mapping(48, g, NUM_BLOCKS, seed=10)
+    assert torch_kv.copier.pieces_for(36 * 4096) == 8  # of 5 rows, the last of 1
+    chunk = gather(source, g, slots, g.empty_chunk(48))
+    assert torch.equal(chunk, reference_gather(source, g, slots))
+    scatter_like_reference(chunk, g, slots)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_vllms_cpu_block_interior_is_packed_and_whole_blocks_move_bitwise(dtype):
     """A fact about vLLM's CPU backend, checked with its own cache write: a row of the 4-D layer
@@ -647,4 +758,59 @@ def test_one_layer_of_chunks_back_to_back_moves_in_one_copy(layout, monkeypatch)
     for layer in range(g.num_layers):
         scatter_many([(slots[i * 32:(i + 1) * 32], obj.tensor[layer:layer + 1]) for i, obj in enumerate(objs)],
                      target, g, layers=[layer])
+    assert torch.equal(reference_gather(target, g, slots), reference_gather(source, g, slots))
+
+
+@pytest.mark.parametrize("helper", [False, True], ids=["runs-of-two-chunks", "one-chunk-a-piece"])
+def test_one_layer_of_chunks_in_pieces_of_whole_chunks(helper, monkeypatch):
+    """Layerwise copies in pieces that are runs of whole chunks (the last one shorter): every
+    layer of every chunk lands, gather and scatter."""
+    from flowkv.kernels import gather_many, scatter_many, torch_kv
+    from flowkv.memory import MemoryArena
+
+    monkeypatch.setattr(torch_kv, "NUMPY_GATHER", True)
+    monkeypatch.setattr(torch_kv, "USE_HELPER", helper)
+    g = geometry_for("cpu", torch.float32, block_size=16)  # rows of 4 KiB
+    layer_bytes = 32 * g.token_bytes // g.num_layers  # one layer of one chunk
+    monkeypatch.setattr(torch_kv, "MIN_PIECE_BYTES", 1)
+    monkeypatch.setattr(torch_kv, "PIECE_BYTES", 2 * layer_bytes)
+    source = make_paged_kv(g, NUM_BLOCKS, seed=14)
+    slots = random_slot_mapping(96, g, NUM_BLOCKS, seed=15)
+    arena = MemoryArena(8 << 20, slab_bytes=1 << 20, prefault="off")
+    objs = _arena_chunks(g, arena, [32, 32, 32])
+    assert torch_kv.copier.pieces_for(3 * layer_bytes) == (2 * (1 + max(1, torch_kv.copier.helpers)) if helper else 2)
+    target = make_paged_kv(g, NUM_BLOCKS, seed=16, fill=False)
+    for layer in range(g.num_layers):
+        parts = [(slots[i * 32:(i + 1) * 32], obj.tensor[layer:layer + 1]) for i, obj in enumerate(objs)]
+        gather_many(source, g, parts, layers=[layer])
+        scatter_many(parts, target, g, layers=[layer])
+    assert torch.equal(torch.cat([obj.tensor for obj in objs], dim=2), reference_gather(source, g, slots))
+    assert torch.equal(reference_gather(target, g, slots), reference_gather(source, g, slots))
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash_kv_nhd"])
+@pytest.mark.parametrize("case", ["chunks-not-whole-blocks", "one-chunk-of-loose-tokens"])
+def test_chunks_back_to_back_with_token_rows_move_in_one_copy(layout, case, monkeypatch):
+    """One plan over all the chunks' slots: chunks that are not whole blocks long, or one chunk
+    whose tokens are not whole blocks, still move as one copy (rows of one token), bitwise."""
+    from flowkv.kernels import gather_many, scatter_many, torch_kv
+    from flowkv.memory import MemoryArena
+
+    monkeypatch.setattr(torch_kv, "NUMPY_GATHER", False)  # count the gather as index_select calls
+    g = geometry_for(layout, block_size=16)
+    source = make_paged_kv(g, NUM_BLOCKS, seed=17)
+    size = 24 if case == "chunks-not-whole-blocks" else 32
+    slots = random_slot_mapping(3 * size, g, NUM_BLOCKS, seed=18)
+    if case == "one-chunk-of-loose-tokens":
+        loose = slots[size:2 * size]
+        slots[size:2 * size] = loose[torch.randperm(size, generator=torch.Generator().manual_seed(19))]
+    arena = MemoryArena(8 << 20, slab_bytes=1 << 20, prefault="off")
+    objs = _arena_chunks(g, arena, [size] * 3)
+    parts = [(slots[i * size:(i + 1) * size], obj.tensor) for i, obj in enumerate(objs)]
+    with _CountIndexCopies() as counted:
+        gather_many(source, g, parts)
+    assert counted.calls == 1
+    assert torch.equal(torch.cat([obj.tensor for obj in objs], dim=2), reference_gather(source, g, slots))
+    target = make_paged_kv(g, NUM_BLOCKS, seed=20, fill=False)
+    scatter_many(parts, target, g)
     assert torch.equal(reference_gather(target, g, slots), reference_gather(source, g, slots))

@@ -129,6 +129,11 @@ def test_bench_engine_worker_conditions_reports_each_condition_against_the_same_
     gb = report["kv_bytes"] / 1e9
     assert w["copy_gbps"]["min"] <= w["copy_gbps"]["median"] <= w["copy_gbps"]["max"]
     assert set(w) >= {"standalone", "worker"} and set(w["worker"]) == {"store", "retrieve", "copy"}
+    # The worker's copy helpers are started by the pinned thread, as in vLLM, and run off its core.
+    helpers = w["copy_helpers"]["worker"]
+    assert helpers["threads"] >= 1 and 0 <= helpers["share"] <= 1
+    if w["cores"] > 1 and hasattr(os, "sched_setaffinity"):
+        assert helpers["cores"] and sorted(os.sched_getaffinity(0))[0] not in helpers["cores"], helpers
     for condition in ("standalone", "worker"):
         for op, figures in w[condition].items():
             assert figures["min_gbps"] <= figures["median_gbps"] <= figures["max_gbps"], (condition, op)
@@ -143,6 +148,8 @@ def test_bench_engine_worker_conditions_reports_each_condition_against_the_same_
     assert re.search(r"^copy baseline: plain torch copy, \d threads, idle cores", out, re.M), out
     assert re.search(r"^standalone \(\d+ torch threads, no load\)$", out, re.M)
     assert re.search(r"^worker \(1 thread, load on cores [\d,]+\)$", out, re.M)
+    assert re.search(r"^worker: \d+ copy helper thread\(s\) on (?:cores [\d,]+|the caller's cores), \d+% of the pieces",
+                     out, re.M), out
     assert len(re.findall(rf"^  (?:store|retrieve|plain copy) +{NUMBER} +{NUMBER} +{NUMBER}-{NUMBER} +{NUMBER}$",
                           out, re.M)) == 5, out
 

@@ -274,3 +274,101 @@ def test_a_third_party_keyer_gets_hashes_shipped_only_when_it_declares_it_accept
     assert connector.get_num_new_matched_tokens(vllm_request("house", prompt), 0) == (3 * CHUNK, False)
     [(header, body_bytes)] = connector._lookup_client.lookups
     assert body_bytes == (6 * 32 if ships_hashes else len(prompt) * 8)
+
+
+class CountingDict(dict):
+    """The connector's request table, counting the lookups a step makes in it."""
+
+    gets = 0
+
+    def get(self, key, default=None):
+        self.gets += 1
+        return super().get(key, default)
+
+
+def decoding_batch(engine: CacheEngine, connector: ConnectorScheduler, n: int, prompt_tokens: int):
+    """``n`` requests whose prompts were prefilled (and stored) in one step: (requests, tokens computed)."""
+    requests = [vllm_request(f"r{i}", tokens(prompt_tokens, seed=100 + i)) for i in range(n)]
+    new = []
+    for i, request in enumerate(requests):
+        assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
+        connector.update_state_after_alloc(request, None, 0)
+        new.append((request, 0, list(range(i * 8, i * 8 + 8))))
+    meta = connector.build_connector_meta(output(new=new, scheduled={r.request_id: prompt_tokens for r in requests}))
+    assert len(meta.saves) == n
+    carry_out_saves(engine, meta)
+    return requests, prompt_tokens
+
+
+def decode_step(connector: ConnectorScheduler, requests, computed: int, extra_new=()):
+    return connector.build_connector_meta(output(new=extra_new, cached=[(r, computed, None) for r in requests],
+                                                 scheduled={r.request_id: 1 for r in requests}))
+
+
+def test_decode_steps_of_stored_prompts_do_one_check_not_a_lookup_per_request(monkeypatch):
+    """A decoding batch whose prompts flowkv stored: after two quiet steps (a rollback of the
+    saving step would show in them) build_connector_meta looks at no request at all."""
+    engine = worker_engine()
+    connector = scheduler(engine)
+    requests, computed = decoding_batch(engine, connector, 8, 3 * CHUNK + 5)
+    table = CountingDict(connector._requests)
+    connector._requests = table
+    save_specs = []
+    original = connector._save_spec
+    monkeypatch.setattr(connector, "_save_spec", lambda *a: save_specs.append(a) or original(*a))
+
+    per_step = []
+    for step in range(40):
+        before = (table.gets, len(save_specs))
+        meta = decode_step(connector, requests, computed + step)
+        assert not meta.loads and not meta.saves
+        per_step.append((table.gets - before[0], len(save_specs) - before[1]))
+    assert per_step[:2] == [(8, 8), (8, 8)]  # the two quiet steps
+    assert per_step[2:] == [(0, 0)] * 38
+    assert connector._attentive == set()
+
+    # A new request joins the batch: only it is looked at; it is stored; the others stay skipped.
+    newcomer = vllm_request("new", tokens(2 * CHUNK + 9, seed=200))
+    connector.get_num_new_matched_tokens(newcomer, 0)
+    connector.update_state_after_alloc(newcomer, None, 0)
+    before = (table.gets, len(save_specs))
+    meta = connector.build_connector_meta(output(
+        new=[(newcomer, 0, list(range(100, 104)))], cached=[(r, computed + 40, None) for r in requests],
+        scheduled={"new": 2 * CHUNK + 9, **{r.request_id: 1 for r in requests}}))
+    assert [save.req_id for save in meta.saves] == ["new"]
+    assert (table.gets - before[0], len(save_specs) - before[1]) == (1, 1)
+    carry_out_saves(engine, meta)
+    assert engine.lookup(torch.tensor(newcomer.prompt_token_ids)) == 2 * CHUNK
+    for request in requests:
+        assert engine.lookup(torch.tensor(request.prompt_token_ids)) == 3 * CHUNK
+
+
+def test_a_rollback_right_after_the_saving_step_still_saves_again():
+    """The step after a request's last save may show vLLM rolled it back (a failed load cut
+    that step): the connector still looks, and asks for the store again."""
+    engine = worker_engine()
+    connector = scheduler(engine)
+    [request], computed = decoding_batch(engine, connector, 1, 3 * CHUNK + 5)
+    # Rolled back to inside chunk 1: vLLM computes the rest of the prompt again.
+    meta = connector.build_connector_meta(output(cached=[(request, CHUNK + 3, None)],
+                                                 scheduled={request.request_id: computed - CHUNK - 3}))
+    assert [(save.token_start, len(save.token_ids)) for save in meta.saves] == [(CHUNK, 2 * CHUNK)]
+    for step in range(3):
+        decode_step(connector, [request], computed + step)
+    assert connector._attentive == set()
+
+
+def test_a_resumed_request_is_looked_at_again():
+    """Preempted and resumed (vLLM gives its blocks anew): its steps are looked at until quiet again."""
+    engine = worker_engine()
+    connector = scheduler(engine)
+    [request], computed = decoding_batch(engine, connector, 1, 3 * CHUNK + 5)
+    for step in range(3):
+        decode_step(connector, [request], computed + step)
+    assert connector._attentive == set()
+    resumed = output(cached=[(request, 0, list(range(200, 208)))], scheduled={request.request_id: computed})
+    resumed.scheduled_cached_reqs.resumed_req_ids = {request.request_id}
+    meta = connector.build_connector_meta(resumed)
+    assert connector._requests[request.request_id].block_ids == list(range(200, 208))
+    assert [(save.token_start, save.block_ids) for save in meta.saves] == [(0, list(range(200, 208)))]
+    assert request.request_id in connector._attentive

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from flowkv.bench import expect_tokens
+from flowkv.kernels import torch_kv
 
 __all__ = ["LOAD_SOURCE", "ForwardLoad", "measure_worker", "print_worker"]
 
@@ -119,6 +120,11 @@ def measure_worker(args: argparse.Namespace, *, engine: Any, src: list[torch.Ten
     b = torch.empty(kv_bytes, dtype=torch.uint8)
     load = ForwardLoad(cores[1:] or cores[:1])
     conditions = ("copy", "standalone", "worker")
+    # A copier of its own per condition: its helper threads are placed by the thread that
+    # makes its first copy, so the worker's are started by the pinned thread, as vLLM's
+    # worker thread starts them.
+    copiers = {condition: torch_kv.RowCopier() for condition in conditions}
+    kept_copier = torch_kv.copier
     times: dict[str, dict[str, list[float]]] = {c: {"store": [], "retrieve": [], "copy": []} for c in conditions}
 
     def store_and_retrieve(into: dict[str, list[float]]) -> None:
@@ -131,6 +137,7 @@ def measure_worker(args: argparse.Namespace, *, engine: Any, src: list[torch.Ten
 
     def run(condition: str, record: bool) -> None:
         into = times[condition] if record else {"store": [], "retrieve": [], "copy": []}
+        torch_kv.copier = copiers[condition]
         if condition == "copy":
             torch.set_num_threads(copy_threads)
             into["copy"].append(_timed(lambda: b.copy_(a)))
@@ -157,6 +164,7 @@ def measure_worker(args: argparse.Namespace, *, engine: Any, src: list[torch.Ten
     finally:
         load.close()
         torch.set_num_threads(standalone_threads)
+        torch_kv.copier = kept_copier
 
     gbps = lambda seconds: kv_bytes / seconds / 1e9  # noqa: E731
     copy_rounds = times["copy"]["copy"]
@@ -165,6 +173,10 @@ def measure_worker(args: argparse.Namespace, *, engine: Any, src: list[torch.Ten
         "copy_threads": copy_threads,
         "standalone_threads": standalone_threads,
         "load_cores": load.cores,
+        # Where each condition's copy helpers ran (threads, cores; None: the creator's).
+        "copy_helpers": {c: {"threads": copiers[c].helpers, "cores": copiers[c].cores,
+                             "share": copiers[c].helper_pieces / max(1, copiers[c].pieces)}
+                         for c in ("standalone", "worker")},
         "copy_gbps": {"median": gbps(statistics.median(copy_rounds)), "min": gbps(max(copy_rounds)),
                       "max": gbps(min(copy_rounds))},
     }
@@ -197,4 +209,9 @@ def print_worker(r: dict[str, Any]) -> None:
             name = "plain copy" if op == "copy" else op
             print(f"  {name:32}{figures['median_ms']:8.1f}{figures['median_gbps']:8.2f}"
                   f"{figures['min_gbps']:7.2f}-{figures['max_gbps']:<6.2f}{figures['vs_copy']:8.2f}")
+    for condition, helpers in w.get("copy_helpers", {}).items():
+        cores = ("the caller's cores" if helpers["cores"] is None
+                 else "cores " + ",".join(map(str, sorted(helpers["cores"]))))
+        print(f"{condition}: {helpers['threads']} copy helper thread(s) on {cores}, "
+              f"{helpers['share']:.0%} of the pieces copied by them")
     print("x copy = median over rounds of GB/s / the same round's baseline copy")

@@ -115,6 +115,8 @@ class RequestState:
     # Tokens vLLM will have computed after the last scheduled step; fewer at
     # the next step means vLLM rolled the request back (failed load, preemption).
     expected_computed: int = 0
+    # Steps in a row this request was scheduled with nothing for flowkv to do (see `_settle`).
+    quiet_steps: int = 0
 
 
 class ConnectorScheduler:
@@ -141,6 +143,10 @@ class ConnectorScheduler:
         self._hash_fn = get_hash_function(default_hash_function_name() if hash_name == "auto" else hash_name)
         self._vllm_hashes = VllmBlockHashes(vllm_config, pipeline) if self._keyed else None
         self._requests: dict[str, RequestState] = {}
+        # Requests whose steps may still carry a load or a save, or show a rollback: every other
+        # request is decoding with its prompt stored, and build_connector_meta skips it. A step
+        # of such requests only is one check (a decoding batch pays nothing per step).
+        self._attentive: set[str] = set()
         self._lookup_seq = itertools.count()
         # Chunk hash -> the save that asked for it; the sequence number counts saves.
         self._saved_at: collections.OrderedDict[bytes, int] = collections.OrderedDict()
@@ -248,6 +254,7 @@ class ConnectorScheduler:
         with no external tokens: there is nothing left to do then.
         """
         state = self._state_for(request)
+        self._attend(state)
         answer, state.answer = state.answer, None
         if num_external_tokens <= 0:
             if answer is not None:
@@ -270,20 +277,29 @@ class ConnectorScheduler:
         """This step's loads (accepted in ``update_state_after_alloc``) and
         saves (chunks that this step's forward pass completes)."""
         meta = FlowKVMetadata()
+        cached = scheduler_output.scheduled_cached_reqs
+        if not (self._attentive or scheduler_output.scheduled_new_reqs or cached.resumed_req_ids
+                or self._async_to_send):
+            return meta  # a decoding batch whose prompts flowkv holds
         steps: list[tuple[RequestState, int]] = []
         for new_req in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new_req.req_id)
             if state is None:
                 continue
+            self._attend(state)
             state.block_ids = list(new_req.block_ids[0])
             steps.append((state, new_req.num_computed_tokens))
-        cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
+            resumed = req_id in cached.resumed_req_ids
+            if not resumed and req_id not in self._attentive:
+                continue
             state = self._requests.get(req_id)
             if state is None:
                 continue
+            if resumed:
+                self._attend(state)
             new_blocks = cached.new_block_ids[index]
-            if req_id in cached.resumed_req_ids:
+            if resumed:
                 state.block_ids = list(new_blocks[0]) if new_blocks is not None else []
             elif new_blocks is not None:
                 state.block_ids.extend(new_blocks[0])
@@ -291,18 +307,21 @@ class ConnectorScheduler:
 
         for state, num_computed in steps:
             req_id = state.request.request_id
-            if num_computed < state.expected_computed:
+            rolled_back = num_computed < state.expected_computed
+            if rolled_back:
                 # Stores asked for past this point may have been cut short
                 # (a failed load poisons the rest of its step); ask again.
                 # The engine skips chunks it already holds.
                 state.stored_end = min(state.stored_end, floor_to(num_computed, self._chunk_size))
-            if state.pending_load is not None and not state.pending_load.load_async:
+            loads = state.pending_load is not None and not state.pending_load.load_async
+            if loads:
                 meta.loads.append(self._load_spec(state))
             computed_after_step = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             state.expected_computed = computed_after_step
             save = self._save_spec(state, computed_after_step)
             if save is not None:
                 meta.saves.append(save)
+            self._settle(state, quiet=not (rolled_back or loads or save is not None))
         # Loads vLLM waits for between steps: their requests are not scheduled now.
         for state in self._async_to_send:
             if state.pending_load is not None and state.request.request_id in self._requests:
@@ -311,6 +330,25 @@ class ConnectorScheduler:
                 state.expected_computed = end
         self._async_to_send = []
         return meta
+
+    def _attend(self, state: RequestState) -> None:
+        """``state``'s steps are looked at again (it is new, resumed, or was offered a load)."""
+        self._attentive.add(state.request.request_id)
+        state.quiet_steps = 0
+
+    def _settle(self, state: RequestState, *, quiet: bool) -> None:
+        """After a step of ``state``: it leaves the requests looked at once nothing can come
+        for it but through `_attend`: no save left (its prompt stored, or it saves nothing),
+        no load pending, and two quiet steps in a row (a rollback of its last save's step
+        shows in the next step's output, or the one after with asynchronous scheduling)."""
+        state.quiet_steps = state.quiet_steps + 1 if quiet else 0
+        if state.quiet_steps < 2 or state.pending_load is not None:
+            return
+        request = state.request
+        if not (state.skip_save or not self._saves) and (
+                self._save_decode or state.stored_end < floor_to(request.num_prompt_tokens, self._chunk_size)):
+            return
+        self._attentive.discard(request.request_id)
 
     def _load_spec(self, state: RequestState) -> LoadSpec:
         load, state.pending_load = state.pending_load, None
@@ -376,6 +414,7 @@ class ConnectorScheduler:
         """Drop the request's pins; saves are done by the time it finishes, so
         its blocks can be freed at once."""
         state = self._requests.pop(request.request_id, None)
+        self._attentive.discard(request.request_id)
         if state is not None:
             self._drop_answer(state)
         return False, None
@@ -392,6 +431,7 @@ class ConnectorScheduler:
             chain = ChunkChain(request, self._chunk_size, self._hash_fn, self._vllm_hashes) if self._keyed else None
             state = RequestState(request=request, tags=tags, skip_save=skip_save, chain=chain)
             self._requests[request.request_id] = state
+            self._attentive.add(request.request_id)
         return state
 
     def _drop_answer(self, state: RequestState) -> None:

@@ -352,8 +352,8 @@ class ConnectorWorker:
         its KV; the copy runs on the transfer worker while the model goes on.
         Without layerwise, saves happen once per step in ``wait_for_save``.
         """
-        if not self._engine.layerwise or not isinstance(meta, FlowKVMetadata) or not meta.saves:
-            return
+        if not isinstance(meta, FlowKVMetadata) or not meta.saves or not self._engine.layerwise:
+            return  # the metadata first: a decoding batch's steps read nothing else, per layer
         layer = self._layer_of(layer_name)
         if layer is None:
             return
