@@ -71,7 +71,8 @@ def server(folder: Path, *, role: str | None = None, kv_extra: dict | None = Non
         at = instance.command.index("--kv-transfer-config") + 1
         test_extra = json.loads(instance.command[at])["kv_connector_extra_config"]
         config = readme_role_config(role)
-        config["kv_connector_extra_config"] = {**test_extra, **config["kv_connector_extra_config"], **(kv_extra or {})}
+        config["kv_connector_extra_config"] = {**test_extra, **config["kv_connector_extra_config"],
+                                               **(kv_extra or {})}
         instance.command[at] = json.dumps(config)
     try:
         return instance.start()
