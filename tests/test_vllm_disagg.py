@@ -61,11 +61,17 @@ def readme_role_config(role: str) -> dict:
     return config
 
 
-def server(folder: Path, *, role: str | None = None, kv_extra: dict | None = None, template: Path) -> VllmServer:
-    """An eager float32 ``vllm serve``; with ``role``, flowkv's connector as the README's line in that kv_role
-    starts it (its pipeline), plus ``kv_extra``."""
+def server(folder: Path, *, core: int, role: str | None = None, kv_extra: dict | None = None,
+           template: Path) -> VllmServer:
+    """An eager float32 ``vllm serve`` on one core; with ``role``, flowkv's connector as the README's line in
+    that kv_role starts it (its pipeline), plus ``kv_extra``.
+
+    One core each, as one would deploy them: a decode instance waiting for its prefill spins (vLLM
+    steps it every millisecond, its worker polls for the next step), and a prefill instance whose
+    OpenMP threads share that core waits at every barrier for the one the spinning worker crowds
+    out: here a 1,200-token prefill took over five minutes that way."""
     instance = VllmServer(folder, kv_extra=kv_extra, compiled=False, dtype="float32",
-                          args=["--chat-template", str(template)])
+                          args=["--chat-template", str(template)], env={"VLLM_CPU_OMP_THREADS_BIND": str(core)})
     if role is not None:
         # The tests' servers take the README quick start's transfer config: the P/D line's instead.
         at = instance.command.index("--kv-transfer-config") + 1
@@ -94,10 +100,11 @@ def instances(node, tmp_path_factory):
     on_node = {"tiers.node.socket": str(node.socket)}  # the pipeline is the README's
     started: dict[str, VllmServer] = {}
     try:
-        started["reference"] = server(folder / "reference", template=template)
-        started["prefill"] = server(folder / "prefill", role="kv_producer", kv_extra=on_node, template=template)
+        started["reference"] = server(folder / "reference", core=0, template=template)
+        started["prefill"] = server(folder / "prefill", core=0, role="kv_producer", kv_extra=on_node,
+                                    template=template)
         # Bounded far above any prefill here: test 2 holds a decode request until its prefill ran.
-        started["decode"] = server(folder / "decode", role="kv_consumer", template=template,
+        started["decode"] = server(folder / "decode", core=1, role="kv_consumer", template=template,
                                    kv_extra={**on_node, "remote_prefill_wait_ms": 600_000})
         yield started
     finally:
@@ -224,7 +231,7 @@ def test_a_decode_request_that_arrives_before_its_prefill_is_asked_again_until_t
                                                                        kv_transfer_params=params)[0]))
     waiting.start()
     # The decode instance looks for the KV again and again, computing nothing meanwhile.
-    wait_for(lambda: node.status()["requests"]["lookups"] - lookups >= 5, "the decode request to keep asking",
+    wait_for(lambda: node.status()["requests"].get("lookups", 0) - lookups >= 5, "the decode request to keep asking",
              timeout_s=120)
     assert waiting.is_alive() and delta(by_source(decode), at_decode)["local_compute"] == 0
     answer, _ = post(prefill.url, "/v1/completions", {
