@@ -20,6 +20,10 @@ to ``flowkv route --prefill P --decode D``. In order:
 3. The prefill instance killed with SIGKILL while requests are in flight:
    every request is still answered, correctly (the decode instance computes
    what was not prefilled), and the node server keeps no room or read of it.
+4. Across machines: a prefill and a decode instance on ``cpu-redis`` (chunks of
+   one block), Redis written behind: the decode instance waits until Redis
+   holds what the prefill committed, and computes at most one block.
+   (Two more engines; the reference is shared.)
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import pytest
 import vllm  # noqa: F401 - a broken vLLM install fails these tests; it never skips them
 
 from node_servers import node_servers, wait_for  # noqa: F401 - pytest fixture
+from redis_servers import redis_server  # noqa: F401 - pytest fixture
 from vllm_helpers import BLOCK_SIZE, random_tokens
 from vllm_server import MODEL_NAME, VllmServer, _join_stream, _sse_events, metric_value, readme_serve_commands
 
@@ -112,11 +117,10 @@ def instances(node, tmp_path_factory):
             instance.close()
 
 
-@pytest.fixture(scope="module")
-def router(instances, tmp_path_factory):
-    log = tmp_path_factory.mktemp("route") / "route.log"
+def route(prefill: VllmServer, decode: VllmServer, log: Path):
+    """``flowkv route --prefill P --decode D`` on a free port: yields its URL."""
     proc = subprocess.Popen([str(Path(sys.executable).parent / "flowkv"), "route", "--port", "0",
-                             "--prefill", instances["prefill"].url, "--decode", instances["decode"].url,
+                             "--prefill", prefill.url, "--decode", decode.url,
                              "--prefill-retry-s", "600", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=open(log, "ab"), stdin=subprocess.DEVNULL)
     try:
@@ -126,6 +130,11 @@ def router(instances, tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def router(instances, tmp_path_factory):
+    yield from route(instances["prefill"], instances["decode"], tmp_path_factory.mktemp("route") / "route.log")
 
 
 def post(url: str, path: str, body: dict) -> tuple[dict, dict]:
@@ -270,3 +279,39 @@ def test_the_prefill_instance_killed_mid_run_leaves_every_request_answered_corre
     clients = wait_for(lambda: (c := node.status()["clients"])["allocations_held"] == 0 and c["reads_held"] == 0
                        and c, "the node server to reclaim the killed instance's leases", timeout_s=LEASE_S * 20)
     assert node.status()["memory"]["pinned_entries"] == 0 and clients["reads_held"] == 0
+
+
+@pytest.fixture(scope="module")
+def on_redis(instances, redis_server, tmp_path_factory):  # noqa: F811 - the fixture imported above
+    folder = tmp_path_factory.mktemp("pd-redis")
+    template = folder / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE, encoding="utf-8")
+    shared = {"pipeline": "cpu-redis", "chunk_size": BLOCK_SIZE, "tiers.redis.url": redis_server.url,
+              "tiers.redis.namespace": "pd-test"}
+    started: dict[str, VllmServer] = {}
+    try:
+        started["prefill"] = server(folder / "prefill", core=0, role="kv_producer", kv_extra=shared,
+                                    template=template)
+        started["decode"] = server(folder / "decode", core=1, role="kv_consumer", template=template,
+                                   kv_extra={**shared, "remote_prefill_wait_ms": 600_000})
+        routes = route(started["prefill"], started["decode"], folder / "route.log")
+        try:
+            yield {**started, "router": next(routes)}
+        finally:
+            routes.close()
+    finally:
+        for instance in started.values():
+            instance.close()
+
+
+def test_through_redis_the_decode_instance_loads_what_the_prefill_wrote_behind_but_a_block(instances, on_redis):
+    decode = on_redis["decode"]
+    for n in (700, 1537):
+        prompt = random_tokens(9000 + n, n)
+        expected, _ = complete(instances["reference"].url, prompt)
+        at_decode = by_source(decode)
+        output, headers = complete(on_redis["router"], prompt)
+        assert output == expected and headers["x-flowkv-prefill"] == on_redis["prefill"].url
+        assert counted(decode, at_decode, n) == {"local_compute": n - loaded_tokens(n),
+                                                 "external_kv_transfer": loaded_tokens(n)}
+    assert decode.metric("vllm:flowkv_stored_tokens_total") == 0
