@@ -397,3 +397,14 @@ def test_route_wants_backends_or_prefill_and_decode_instances(args):
                           capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert done.returncode == 2
     assert "--prefill URL and --decode URL" in done.stderr
+
+
+def test_the_readme_disaggregated_prefill_route_line_is_one_flowkv_route_takes():
+    from flowkv.cli import build_parser
+    from vllm_server import README, shell_commands
+
+    [argv] = [argv for _, argv in shell_commands(README.read_text(encoding="utf-8"))
+              if argv[:2] == ["flowkv", "route"] and "--prefill" in argv]
+    args = build_parser().parse_args(argv[1:])
+    assert args.prefill == ["http://127.0.0.1:8100"] and args.decode == ["http://127.0.0.1:8200"]
+    assert args.backend is None
