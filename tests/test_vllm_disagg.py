@@ -126,7 +126,9 @@ def route(prefill: VllmServer, decode: VllmServer, log: Path):
     try:
         line = proc.stdout.readline().decode()
         assert "listening on http://" in line, (line, log.read_text())
-        yield line.split("listening on ")[1].strip()
+        url = line.split("listening on ")[1].strip()
+        wait_for(lambda: _answers(url + "/health"), "flowkv route to answer")  # the line can come first
+        yield url
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -135,6 +137,14 @@ def route(prefill: VllmServer, decode: VllmServer, log: Path):
 @pytest.fixture(scope="module")
 def router(instances, tmp_path_factory):
     yield from route(instances["prefill"], instances["decode"], tmp_path_factory.mktemp("route") / "route.log")
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
 
 
 def post(url: str, path: str, body: dict) -> tuple[dict, dict]:
