@@ -122,6 +122,9 @@ class VllmSpec:
 
     save_decode: bool = False  # also store KV of generated tokens
     lookup_timeout_ms: int = 200  # the scheduler answers 0 hits past this
+    # A decode request whose prefill instance named committed KV waits this long for the tier to hold it
+    # (write-behind tiers commit later than the prefill instance answered); past it, it loads what is there.
+    remote_prefill_wait_ms: int = 10_000
 
 
 @attrs.frozen

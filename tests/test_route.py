@@ -6,8 +6,11 @@ answered only when the test lets it go, so it stays in flight; a streamed one
 with ``"trickle": true`` sends its first piece, then the rest only when the
 test lets it go, and logs both to ``events``); the holders
 are real ``Reporter`` objects registered with the backends' URLs. Prompts are
-token ids, so no tokenizer is involved. With real vLLM instances behind it:
-``test_controller_vllm.py``.
+token ids, so no tokenizer is involved. A stand-in asked to prefill for a
+remote decode (``kv_transfer_params`` ``do_remote_decode``) answers with
+``kv_transfer_params`` of its own, as a flowkv prefill instance does. With real
+vLLM instances behind it: ``test_controller_vllm.py``, and for disaggregated
+prefill ``test_vllm_disagg.py``.
 """
 
 from __future__ import annotations
@@ -65,7 +68,18 @@ class Backend:
                     self.wfile.write(b"data: [DONE]\n\n")
                     backend.events.append("backend finished")
                     return
-                payload = json.dumps({"backend": backend.name, "object": "text_completion"}).encode()
+                answer = {"backend": backend.name, "object": "text_completion"}
+                prefill = bool((body.get("kv_transfer_params") or {}).get("do_remote_decode"))
+                if prefill and body.get("refuse_prefill"):
+                    self.send_response(500)
+                    self.send_header("Content-Length", "2")
+                    self.end_headers()
+                    self.wfile.write(b"{}")
+                    return
+                if prefill:
+                    answer["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
+                                                    "flowkv_committed_tokens": 96, "prefilled_by": backend.name}
+                payload = json.dumps(answer).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(payload)))
@@ -295,3 +309,102 @@ def test_chat_and_streamed_completions_pass_through_a_stream_piece_by_piece(flee
     assert backend.events == ["backend sent its first piece", "client read the first piece", "backend finished"]
     assert rest[-1] == "data: [DONE]" and [json.loads(line[6:])["n"] for line in rest[:-1]] == [1, 2]
     wait_for(lambda: in_flight(url) == [0], "the stream's request is done")
+
+
+# -- disaggregated prefill: --prefill / --decode --------------------------------------------
+
+
+def dead_url() -> str:
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def test_a_request_is_prefilled_for_one_token_then_decoded_with_what_the_prefill_answered(fleet):
+    prefill, decode = fleet["backends"]["a"], fleet["backends"]["b"]
+    url = fleet["route"]("--prefill", prefill.url, "--decode", decode.url, to=[])
+    tagged = {"flowkv.tag.tenant": "t1"}
+    body = {"model": "m", "prompt": DOC, "max_tokens": 12, "n": 1, "min_tokens": 4, "kv_transfer_params": tagged}
+    reply, headers = send(url + "/v1/completions", json.dumps(body).encode())
+    assert reply["backend"] == "b" and headers["x-flowkv-backend"] == decode.url
+    assert headers["x-flowkv-prefill"] == prefill.url
+    [asked] = prefill.bodies
+    # One token, not streamed, asking for a remote decode; the client's tags kept (they are in the keys).
+    assert asked == {"model": "m", "prompt": DOC, "max_tokens": 1, "stream": False,
+                     "kv_transfer_params": {**tagged, "do_remote_decode": True, "do_remote_prefill": False}}
+    [decoded] = decode.bodies
+    assert decoded == {**body, "kv_transfer_params": {**tagged, "do_remote_prefill": True, "do_remote_decode": False,
+                                                      "flowkv_committed_tokens": 96, "prefilled_by": "a"}}
+    stats = get(url + "/stats")
+    assert stats["decisions"]["prefilled"] == 1 and stats["prefill_in_flight"] == {prefill.url: 0}
+    assert get(url + "/health")["prefill"] == [prefill.url]
+
+
+def test_a_streamed_chat_is_prefilled_unstreamed_and_its_decode_streams_through(fleet):
+    prefill, decode = fleet["backends"]["a"], fleet["backends"]["b"]
+    url = fleet["route"]("--prefill", prefill.url, "--decode", decode.url, to=[])
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "stream_options": {"include_usage": True}, "max_completion_tokens": 30}
+    request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        assert reply.headers["x-flowkv-prefill"] == prefill.url
+        lines = [line.decode().strip() for line in reply if line.strip()]
+    assert lines[-1] == "data: [DONE]" and [json.loads(line[6:])["n"] for line in lines[:-1]] == [0, 1, 2]
+    [asked] = prefill.bodies
+    assert asked["stream"] is False and asked["max_tokens"] == 1
+    assert "stream_options" not in asked and "max_completion_tokens" not in asked
+    [decoded] = decode.bodies
+    assert decoded["stream"] is True and decoded["max_completion_tokens"] == 30
+    assert decoded["kv_transfer_params"]["flowkv_committed_tokens"] == 96
+    wait_for(lambda: in_flight(url) == [0], "the stream's request is done")
+
+
+def test_a_prefill_instance_down_leaves_the_prompt_to_the_decode_instance_and_is_passed_over(fleet):
+    decode = fleet["backends"]["b"]
+    dead = dead_url()
+    url = fleet["route"]("--prefill", dead, "--decode", decode.url, "--prefill-retry-s", "600", to=[])
+    for n in range(3):
+        reply, headers = complete(url, DOC, max_tokens=5)
+        assert reply["backend"] == "b"
+        assert headers["x-flowkv-prefill"] == (dead if n == 0 else "none")
+    # No prefill params: the decode instance computes the prompt (and loads whatever the tier holds).
+    assert all("kv_transfer_params" not in body for body in decode.bodies) and len(decode.bodies) == 3
+    decisions = get(url + "/stats")["decisions"]
+    assert decisions["prefill-failed"] == 1 and decisions["prefill-none-up"] == 2
+    assert get(url + "/stats")["prefill_in_flight"] == {dead: 0}
+
+
+def test_a_prefill_instance_that_refuses_a_request_costs_only_the_split(fleet):
+    prefill, decode = fleet["backends"]["a"], fleet["backends"]["b"]
+    url = fleet["route"]("--prefill", prefill.url, "--decode", decode.url, to=[])
+    reply, headers = complete(url, DOC, refuse_prefill=True)
+    assert reply["backend"] == "b" and headers["x-flowkv-prefill"] == prefill.url
+    assert "kv_transfer_params" not in decode.bodies[-1] and len(prefill.bodies) == 1
+    # Refused is not down: the next request is prefilled there again.
+    reply, headers = complete(url, DOC)
+    assert decode.bodies[-1]["kv_transfer_params"]["prefilled_by"] == "a" and len(prefill.bodies) == 2
+    assert get(url + "/stats")["decisions"]["prefill-refused"] == 1
+
+
+@pytest.mark.parametrize("args", [["--prefill", "http://127.0.0.1:1"],
+                                  ["--decode", "http://127.0.0.1:1"],
+                                  ["--backend", "http://127.0.0.1:1", "--prefill", "http://127.0.0.1:2",
+                                   "--decode", "http://127.0.0.1:3"],
+                                  []])
+def test_route_wants_backends_or_prefill_and_decode_instances(args):
+    done = subprocess.run([str(Path(sys.executable).parent / "flowkv"), "route", "--port", "0", *args],
+                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode == 2
+    assert "--prefill URL and --decode URL" in done.stderr
+
+
+def test_the_readme_disaggregated_prefill_route_line_is_one_flowkv_route_takes():
+    from flowkv.cli import build_parser
+    from vllm_server import README, shell_commands
+
+    [argv] = [argv for _, argv in shell_commands(README.read_text(encoding="utf-8"))
+              if argv[:2] == ["flowkv", "route"] and "--prefill" in argv]
+    args = build_parser().parse_args(argv[1:])
+    assert args.prefill == ["http://127.0.0.1:8100"] and args.decode == ["http://127.0.0.1:8200"]
+    assert args.backend is None

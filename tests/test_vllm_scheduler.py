@@ -69,14 +69,17 @@ def worker_engine(chunk: int = CHUNK, pipeline: str = "local-cpu", **overrides) 
                                      overrides={"chunk_size": chunk, "tiers.memory.capacity": "16MiB", **overrides})
 
 
-def scheduler(engine: CacheEngine, *, block: int = BLOCK, algo: str = "sha256", **extra) -> ConnectorScheduler:
+def scheduler(engine: CacheEngine, *, block: int = BLOCK, algo: str = "sha256", role: str = "kv_both",
+              **extra) -> ConnectorScheduler:
     settings = ConnectorSettings.from_extra_config({"chunk_size": engine.chunk_size, **extra}, default_model="tiny")
     config = SimpleNamespace(
         cache_config=SimpleNamespace(block_size=block, prefix_caching_hash_algo=algo),
         parallel_config=SimpleNamespace(data_parallel_rank=0, tensor_parallel_size=1, pipeline_parallel_size=1),
         instance_id="test-scheduler",
     )
-    transfer = SimpleNamespace(is_kv_consumer=True, is_kv_producer=True, kv_load_failure_policy="recompute")
+    # KVTransferConfig's is_kv_consumer / is_kv_producer for kv_role
+    transfer = SimpleNamespace(is_kv_consumer=role in ("kv_both", "kv_consumer"),
+                               is_kv_producer=role in ("kv_both", "kv_producer"), kv_load_failure_policy="recompute")
     connector = ConnectorScheduler(config, transfer, settings,
                                    load_pipeline(settings.pipeline, overrides=settings.overrides))
     connector._lookup_client.close()
@@ -84,8 +87,11 @@ def scheduler(engine: CacheEngine, *, block: int = BLOCK, algo: str = "sha256", 
     return connector
 
 
-def vllm_request(req_id: str, tokens: list[int], *, block: int = BLOCK, cache_salt: str | None = None) -> Request:
-    return Request(req_id, list(tokens), SamplingParams(max_tokens=4), None, cache_salt=cache_salt,
+def vllm_request(req_id: str, tokens: list[int], *, block: int = BLOCK, cache_salt: str | None = None,
+                 kv_transfer_params: dict | None = None) -> Request:
+    sampling = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": kv_transfer_params}
+                              if kv_transfer_params is not None else None)
+    return Request(req_id, list(tokens), sampling, None, cache_salt=cache_salt,
                    block_hasher=get_request_block_hasher(block, sha256_cbor))
 
 

@@ -54,12 +54,22 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     route = sub.add_parser("route", help="an OpenAI-compatible proxy that sends each request to the vLLM "
                                          "instance holding its longest cached prefix")
-    route.add_argument("--backend", action="append", required=True, metavar="URL",
+    route.add_argument("--backend", action="append", default=None, metavar="URL",
                        help="a vLLM server's URL (repeat for each)")
+    route.add_argument("--prefill", action="append", default=None, metavar="URL",
+                       help="disaggregated prefill: a prefill instance (kv_role kv_producer) that computes each "
+                            "prompt first (repeat for each; with --decode, instead of --backend)")
+    route.add_argument("--decode", action="append", default=None, metavar="URL",
+                       help="disaggregated prefill: a decode instance (kv_role kv_consumer) that loads the "
+                            "prompt's KV from the shared tier and generates (repeat for each)")
+    route.add_argument("--prefill-retry-s", type=float, default=5.0,
+                       help="a prefill instance that cannot be reached is passed over this long")
     route.add_argument("--controller", default=None, metavar="URL",
                        help="the controller to ask (without it: round-robin)")
-    route.add_argument("--policy", choices=("prefix", "round-robin"), default="prefix",
-                       help="prefix: longest cached prefix, ties and overload by in-flight requests")
+    route.add_argument("--policy", choices=("prefix", "round-robin"), default=None,
+                       help="prefix (the default; needs --controller): longest cached prefix, ties and overload by "
+                            "in-flight requests; round-robin (the default of --prefill/--decode without "
+                            "--controller)")
     route.add_argument("--tokenizer", default=None, help="tokenizer name or path (default: the backends' model)")
     route.add_argument("--host", default="127.0.0.1")
     route.add_argument("--port", type=int, default=9200)
@@ -165,6 +175,12 @@ def run_route(args: argparse.Namespace) -> int:
     from flowkv.fleet.controller import serve
     from flowkv.fleet.route import Router, create_app
 
+    if bool(args.prefill) != bool(args.decode) or bool(args.backend) == bool(args.prefill):
+        print("flowkv route: give --backend URL (each instance does it all), or --prefill URL and --decode URL "
+              "(disaggregated prefill), not both", file=sys.stderr)
+        return 2
+    if args.policy is None:
+        args.policy = "round-robin" if args.prefill and not args.controller else "prefix"
     if args.policy == "prefix" and not args.controller:
         print("flowkv route: --policy prefix needs --controller URL", file=sys.stderr)
         return 2
@@ -174,7 +190,8 @@ def run_route(args: argparse.Namespace) -> int:
         print(f"flowkv route: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    router = Router(args.backend, controller=args.controller, policy=args.policy, tokenizer=args.tokenizer,
+    router = Router(args.backend or args.decode, prefill=args.prefill, prefill_retry_s=args.prefill_retry_s,
+                    controller=args.controller, policy=args.policy, tokenizer=args.tokenizer,
                     max_in_flight_gap=args.max_in_flight_gap, lookup_timeout_s=args.lookup_timeout_s,
                     affinity_s=args.affinity_s, controller_token=token, connect_timeout_s=args.connect_timeout_s,
                     read_timeout_s=args.read_timeout_s, max_body_bytes=args.max_body_bytes,

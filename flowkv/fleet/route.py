@@ -17,7 +17,18 @@ controller's ``/lookup`` which instances hold a prefix, and picks:
    ``lookup_timeout_s``), the backend with the fewest requests in flight,
    round-robin among equals.
 
-``policy="round-robin"`` skips all that (the comparison mode). Responses,
+``policy="round-robin"`` skips all that (the comparison mode).
+
+**Disaggregated prefill** (``prefill=[...]``; the backends are then the
+decode instances): a request goes first to the least loaded prefill instance
+as a non-streamed request for one token (``max_tokens=1``) with
+``kv_transfer_params`` ``{"do_remote_decode": true}``, and the
+``kv_transfer_params`` of its answer (what the prefill instance committed to
+the shared tier, :mod:`flowkv.integration.vllm.disagg`) go with the client's
+request, streamed or not, to a decode instance chosen as above. A prefill
+instance that fails or cannot be reached costs only the split: the decode
+instance computes the prompt itself, and one that cannot be reached is passed
+over for ``prefill_retry_s``. Responses,
 streamed or not, are passed through unchanged, with an ``x-flowkv-backend``
 header naming the backend that served them.
 
@@ -63,9 +74,11 @@ class Router:
                  tokenizer: str | None = None, max_in_flight_gap: int = 8, lookup_timeout_s: float = 2.0,
                  affinity_tokens: int = 256, affinity_s: float = 60.0, controller_token: str | None = None,
                  connect_timeout_s: float = 10.0, read_timeout_s: float = 600.0,
-                 max_body_bytes: int = 16 << 20, controller_ca_file: str | None = None) -> None:
+                 max_body_bytes: int = 16 << 20, controller_ca_file: str | None = None,
+                 prefill: list[str] | None = None, prefill_retry_s: float = 5.0) -> None:
         if not backends:
-            raise ValueError("flowkv route needs at least one backend")
+            raise ValueError("flowkv route needs at least one backend" if prefill is None
+                             else "flowkv route --prefill needs at least one --decode instance")
         if policy not in ("prefix", "round-robin"):
             raise ValueError(f"unknown policy {policy!r}: prefix or round-robin")
         self.backends = [_normal(url) for url in backends]
@@ -82,6 +95,12 @@ class Router:
         self.max_body_bytes = max_body_bytes
         self.controller_ca_file = controller_ca_file
         self.in_flight = {url: 0 for url in self.backends}
+        # Prefill instances (disaggregated prefill): requests in flight, and until when one that could not be
+        # reached is passed over (time.monotonic()).
+        self.prefill = {_normal(url): 0 for url in prefill or ()}
+        self.prefill_retry_s = prefill_retry_s
+        self._prefill_down: dict[str, float] = {}
+        self._prefill_turn = itertools.count()
         self.affinity_tokens = affinity_tokens
         self.affinity_s = affinity_s
         # opening of a prompt -> (backend, monotonic time) of the last request this router sent with it
@@ -191,6 +210,57 @@ class Router:
         reply.raise_for_status()
         return reply.json()["holders"]
 
+    # -- disaggregated prefill ----------------------------------------------------------
+
+    def _prefill_instance(self) -> str | None:
+        """The least loaded prefill instance not passed over, round-robin among equals (None: none up)."""
+        now = time.monotonic()
+        up = [url for url in self.prefill if self._prefill_down.get(url, 0.0) <= now]
+        if not up:
+            return None
+        fewest = min(self.prefill[url] for url in up)
+        least = [url for url in up if self.prefill[url] == fewest]
+        return least[next(self._prefill_turn) % len(least)]
+
+    async def prefill_for(self, body: dict[str, Any], path: str, headers: dict[str, str]) -> tuple[str, Any]:
+        """Run a request's prefill on a prefill instance: (instance or "none", the ``kv_transfer_params`` its
+        answer carries, None when it gave none or failed)."""
+        url = self._prefill_instance()
+        if url is None:
+            self.decisions["prefill-none-up"] += 1
+            return "none", None
+        ask = {key: value for key, value in body.items()
+               if key not in ("stream", "stream_options", "max_completion_tokens", "min_tokens", "n")}
+        ask.update(max_tokens=1, stream=False,
+                   kv_transfer_params={**_params(body), "do_remote_decode": True, "do_remote_prefill": False})
+        assert self.client is not None
+        self.served[url] += 1
+        self.prefill[url] += 1
+        try:
+            reply = await self.client.post(f"{url}{path}", json=ask, headers=headers)
+            if reply.status_code != 200:
+                self.decisions["prefill-refused"] += 1
+                log.warning("flowkv route: prefill instance %s answered %d: %s", url, reply.status_code,
+                            reply.text[:200])
+                return url, None
+            params = reply.json().get("kv_transfer_params")
+        except httpx.TimeoutException as exc:
+            self.decisions["prefill-failed"] += 1
+            log.warning("flowkv route: prefill instance %s gave no answer in time (%s)", url, type(exc).__name__)
+            return url, None
+        except (httpx.HTTPError, ValueError) as exc:
+            self.decisions["prefill-failed"] += 1
+            if isinstance(exc, (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)):
+                self._prefill_down[url] = time.monotonic() + self.prefill_retry_s
+            log.warning("flowkv route: prefill instance %s failed (%s: %s); the decode instance computes the "
+                        "prompt", url, type(exc).__name__, exc)
+            return url, None
+        finally:
+            self.prefill[url] -= 1
+        self._prefill_down.pop(url, None)
+        self.decisions["prefilled"] += 1
+        return url, params if isinstance(params, dict) else None
+
     # -- proxying -------------------------------------------------------------------
 
     async def _body(self, request: Request) -> bytes | None:
@@ -217,11 +287,19 @@ class Router:
             return _error(400, f"the body must be a JSON object, not {type(body).__name__}", "invalid_request")
         if self.tokenizer is None and self._backend_model_root is None:
             await self.learn_tokenizer()
+        forwarded = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+        prefilled_by = None
+        if self.prefill:
+            # Before the decode instance is chosen: its prefix is in the shared tier by then.
+            prefilled_by, params = await self.prefill_for(body, path, forwarded)
+            if params is not None:
+                raw = json.dumps({**body, "kv_transfer_params": {**_params(body), **params}}).encode()
         backend, why, matched = await self.choose(body, chat)
         self.decisions[why] += 1
         self.served[backend] += 1
         headers = {"x-flowkv-backend": backend, "x-flowkv-route": why, "x-flowkv-matched-tokens": str(matched)}
-        forwarded = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+        if prefilled_by is not None:
+            headers["x-flowkv-prefill"] = prefilled_by
         assert self.client is not None
         self.in_flight[backend] += 1
         upstream: httpx.Response | None = None
@@ -255,6 +333,12 @@ class Router:
         finally:
             if not handed_over:
                 await release()
+
+
+def _params(body: dict[str, Any]) -> dict[str, Any]:
+    """The client's own ``kv_transfer_params`` (flowkv's tags among them), kept on both legs."""
+    params = body.get("kv_transfer_params")
+    return dict(params) if isinstance(params, dict) else {}
 
 
 def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -320,11 +404,13 @@ def create_app(router: Router) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "policy": router.policy, "backends": router.backends}
+        return {"status": "ok", "policy": router.policy, "backends": router.backends,
+                **({"prefill": list(router.prefill)} if router.prefill else {})}
 
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
         return {"policy": router.policy, "in_flight": router.in_flight, "served": dict(router.served),
-                "decisions": dict(router.decisions)}
+                "decisions": dict(router.decisions),
+                **({"prefill_in_flight": router.prefill} if router.prefill else {})}
 
     return app

@@ -25,6 +25,11 @@ request counted, so ``lookup_requested_tokens`` counts each request once.
 load once the lookup's prefetch landed and reports the request in
 ``get_finished``. A short asynchronous load is reported failed as well, so
 vLLM looks the request up again and its cached-token count is what loaded.
+
+**Disaggregated prefill** (``disagg.py``): on a prefill instance
+``request_finished`` names the tokens stored; on a decode instance a request
+carrying those params is answered ``None`` ("ask again later") while the
+tiers hold less, within ``[vllm] remote_prefill_wait_ms``.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import numpy as np
 
 from flowkv.integration._ipc import LookupClient
 from flowkv.integration.vllm.chunk_hashes import ChunkChain, VllmBlockHashes, keyed_pipeline
+from flowkv.integration.vllm.disagg import committed_tokens, prefill_answer, wants_remote_decode
 from flowkv.integration.vllm.kv_events import publishes_kv_events
 from flowkv.integration.vllm.metadata import FlowKVMetadata, LoadSpec, SaveSpec, ceil_to, floor_to
 from flowkv.integration.vllm.query import pack_hashes
@@ -61,6 +67,9 @@ __all__ = ["ConnectorScheduler", "LookupAnswer", "RequestState"]
 
 # Chunks the scheduler remembers asking a worker to store (to know a cached miss went stale).
 _SAVED_REMEMBERED = 1 << 16
+# A decode request waiting for its prefill's KV asks the workers at most this often: vLLM asks the
+# connector on every step, and a step with nothing else to run comes back at once.
+_REMOTE_POLL_S = 0.01
 
 
 @dataclass
@@ -117,6 +126,10 @@ class RequestState:
     expected_computed: int = 0
     # Steps in a row this request was scheduled with nothing for flowkv to do (see `_settle`).
     quiet_steps: int = 0
+    # A decode request prefilled elsewhere: since when, and when last, it asked for the committed KV
+    # (time.monotonic(); None: not waiting, or done waiting).
+    remote_wait_since: float | None = None
+    remote_asked_at: float = 0.0
 
 
 class ConnectorScheduler:
@@ -136,6 +149,7 @@ class ConnectorScheduler:
         self._loads = kv_transfer_config.is_kv_consumer
         self._saves = kv_transfer_config.is_kv_producer
         self._async_loads = settings.async_loads
+        self._remote_prefill_wait_s = pipeline.vllm.remote_prefill_wait_ms / 1000
         # An answer is given again only well inside the pins' timeout.
         self._answer_ttl_s = pipeline.section.pin_timeout_s / 2
         self._keyed = keyed_pipeline(pipeline)
@@ -181,12 +195,20 @@ class ConnectorScheduler:
                 or lookup_end <= num_computed_tokens):
             self._drop_answer(state)
             return 0, False
+        committed = committed_tokens(request.kv_transfer_params)
+        if committed is not None and state.remote_wait_since is None and not state.counted[0]:
+            state.remote_wait_since = time.monotonic()
+        if state.remote_wait_since is not None and time.monotonic() - state.remote_asked_at < _REMOTE_POLL_S:
+            return None, False  # asked a moment ago: vLLM asks again on its next step
         answer = state.answer
         if answer is None or not self._still_holds(state, answer, lookup_end, num_computed_tokens):
             self._drop_answer(state)
             answer = self._ask(state, lookup_end, num_computed_tokens)
             if answer is None:
+                state.remote_wait_since = None
                 return 0, False
+        if state.remote_wait_since is not None and self._wait_for_remote(state, answer, committed, lookup_end):
+            return None, False
         # Whole vLLM blocks only: a partial block would be written by the
         # load and again by the forward pass, or shared with another request.
         usable = floor_to(min(answer.hit_tokens, num_tokens - 1), self._block_size)
@@ -196,6 +218,24 @@ class ConnectorScheduler:
             return 0, False
         state.offered_async = self._load_async(state, answer, usable)
         return usable - num_computed_tokens, state.offered_async
+
+    def _wait_for_remote(self, state: RequestState, answer: LookupAnswer, committed: int | None, end: int) -> bool:
+        """Whether a decode request should wait for more of what its prefill instance committed."""
+        now = time.monotonic()
+        assert state.remote_wait_since is not None
+        if committed is None or answer.hit_tokens >= min(committed, end):
+            state.remote_wait_since = None
+            return False
+        if now - state.remote_wait_since >= self._remote_prefill_wait_s:
+            logger.warning("flowkv: request %s: its prefill instance committed %d tokens; after %.1f s the "
+                           "tiers hold %d of them, which it loads (vLLM computes the rest)",
+                           state.request.request_id, committed, now - state.remote_wait_since, answer.hit_tokens)
+            state.remote_wait_since = None
+            return False
+        # Asked again on vLLM's next step, with fresh pins.
+        self._drop_answer(state)
+        state.remote_asked_at = now
+        return True
 
     def _still_holds(self, state: RequestState, answer: LookupAnswer, end: int, computed: int) -> bool:
         """Whether the workers would answer the same now (see the module docstring)."""
@@ -412,11 +452,15 @@ class ConnectorScheduler:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Drop the request's pins; saves are done by the time it finishes, so
-        its blocks can be freed at once."""
+        its blocks can be freed at once. A request to be decoded elsewhere
+        gets the tokens stored for it in its response's ``kv_transfer_params``."""
         state = self._requests.pop(request.request_id, None)
         self._attentive.discard(request.request_id)
         if state is not None:
             self._drop_answer(state)
+        if self._saves and wants_remote_decode(request.kv_transfer_params):
+            stored = state.stored_end if state is not None and not state.skip_save else 0
+            return False, prefill_answer(stored)
         return False, None
 
     def shutdown(self) -> None:

@@ -4,7 +4,7 @@
   connector reads itself (``pipeline``, ``model_name``, ``ipc_dir``,
   ``async_loads``) and
   pipeline overrides by dotted path (the ``[vllm]`` table's ``save_decode``
-  and ``lookup_timeout_ms`` may be given bare).
+  ``lookup_timeout_ms`` and ``remote_prefill_wait_ms`` may be given bare).
 - ``Instance``: the vLLM instance a connector serves (its id, data-parallel
   rank and number of workers), which names the workers' lookup sockets.
 - ``request_tags``: a request's cache-key tags and skip-save flag, from its
@@ -40,7 +40,7 @@ _CONNECTOR_KEYS = ("pipeline", "model_name", "ipc_dir", "async_loads")
 # When vLLM waits for a load between steps instead of in the step that needs it.
 ASYNC_LOADS = ("auto", "always", "off")
 # Bare extra-config keys that live in the pipeline's [vllm] table.
-_VLLM_SECTION_KEYS = ("save_decode", "lookup_timeout_ms")
+_VLLM_SECTION_KEYS = ("save_decode", "lookup_timeout_ms", "remote_prefill_wait_ms")
 
 
 @dataclass(frozen=True)
