@@ -94,3 +94,19 @@ def test_a_recorded_class_records_the_model_it_built() -> None:
     models.record(model)
     assert models.loaded_model() is model
     assert LlamaForCausalLM.__init__.__code__.co_names.count("record") == 1
+
+
+def test_the_recorded_classes_take_the_arguments_vllm_builds_new_style_models_with() -> None:
+    """vLLM builds a model as ``cls(vllm_config=, prefix=)`` only when its ``__init__`` names both;
+    otherwise it guesses old-style arguments (and a recorded class would fail to start)."""
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    source = inspect.getsource(initialize_model)
+    assert '"vllm_config" in all_params and "prefix" in all_params' in source
+    assert "model_class(vllm_config=vllm_config, prefix=prefix)" in source
+    from flowkv.integration.vllm import _recorded_models
+
+    for name in models.BLENDABLE_ARCHITECTURES:
+        parameters = inspect.signature(getattr(_recorded_models, name).__init__).parameters
+        assert {"vllm_config", "prefix"} <= set(parameters), (name, list(parameters))
+        assert parameters["vllm_config"].kind is inspect.Parameter.KEYWORD_ONLY

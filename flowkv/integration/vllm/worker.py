@@ -122,6 +122,10 @@ class ConnectorWorker:
         # engine stores into a node server's arena, or pinned memory); whether a step is open.
         self._arena: Any = None
         self._in_step = False
+        # Blend pipelines: the recompute path, and the staging cache the engine moves KV through
+        # (None: the engine moves KV straight between its tiers and vLLM's blocks).
+        self._blender: Any = None
+        self._engine_layers: list[torch.Tensor] = []
 
     # -- set-up and the scheduler's questions ---------------------------------
 
@@ -140,6 +144,15 @@ class ConnectorWorker:
             block_size=self._block_size,
             backend_hint=self._backend_hints(kv_caches),
         )
+        self._engine_layers = self._kv_layers
+        if self._pipeline.blend is not None:
+            from flowkv.integration.vllm.blend import Blender
+
+            self._blender = Blender(self._vllm_config, self._pipeline.blend, kv_caches,
+                                    num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+                                    block_size=self._block_size)
+            geometry = self._blender.geometry
+            self._engine_layers = self._blender.staging
         rank = self._worker_rank()
         self._engine = CacheEngine.from_pipeline(
             self._pipeline,
@@ -149,6 +162,8 @@ class ConnectorWorker:
             rank=rank,
         )
         self._arena = getattr(self._engine.memory, "arena", None)
+        if self._blender is not None:
+            self._blender.tracer = self._engine.tracer
         if self._engine.chunk_size % self._block_size and self._block_size % self._engine.chunk_size:
             logger.warning(
                 "flowkv: chunk size %d and vLLM block size %d do not divide each other; "
@@ -196,8 +211,10 @@ class ConnectorWorker:
         """
         tokens = torch.tensor(token_ids, dtype=torch.int64)
         offset = spec.token_start
-        return KVTransfer(tokens=tokens, kv_caches=self._kv_layers,
-                          slot_mapping=slot_mapping(spec.block_ids, self._block_size, offset, len(tokens), start, end),
+        # A blend moves KV through its staging cache, where a token's slot is its position.
+        block_ids = self._blender.identity_blocks if self._blender is not None else spec.block_ids
+        return KVTransfer(tokens=tokens, kv_caches=self._engine_layers,
+                          slot_mapping=slot_mapping(block_ids, self._block_size, offset, len(tokens), start, end),
                           mask=chunk_mask(len(tokens), spec.skip_prefix - offset), tags=spec.tags or None,
                           request_id=spec.req_id, lookup_id=lookup_id, chunk_hashes=spec.chunk_hashes)
 
@@ -254,10 +271,20 @@ class ConnectorWorker:
                 transfer = self._transfer(load, load.token_ids, load.start, load.end, lookup_id=load.lookup_id)
                 with self._engine_lock, step.active(load.req_id):
                     result = self._engine.retrieve(transfer)
-                loaded_to = self._reached(load, result.loaded_to)
+                    reached = self._reached(load, result.loaded_to)
+                    if self._blender is not None:
+                        self._blended(load, reached, result.moved)
+                loaded_to = reached
             except Exception:
                 self._load_failed(load)
             self._loaded(load, loaded_to, step)
+
+    def _blended(self, load: LoadSpec, loaded_to: int, moved: tuple[tuple[int, int, int], ...]) -> None:
+        """Blend a blend pipeline's load into vLLM's blocks (see blend.py); counted in the engine's stats."""
+        counts = self._blender.blend(load.token_ids, load.block_ids, load.start, loaded_to, moved,
+                                     load.recompute_ratio)
+        self._engine.count("blend_reused_tokens", counts.reused)
+        self._engine.count("blend_recomputed_tokens", counts.recomputed)
 
     def _load_failed(self, load: LoadSpec) -> None:
         """A retrieve that raised: drop the pins its lookup took; vLLM recomputes the load."""
@@ -449,6 +476,8 @@ class ConnectorWorker:
                 if self._fleet is not None:
                     self._fleet.note_save(save, token_ids)
                 with self._engine_lock, step.active(save.req_id):
+                    if self._blender is not None:
+                        self._blender.stage_for_save(token_ids, save.block_ids, save.skip_prefix)
                     stored = self._engine.store(transfer).stored_tokens
                 step.annotate(save.req_id, {"flowkv.stored_tokens": stored})
             except Exception:
