@@ -88,6 +88,14 @@ def test_a_layerwise_blend_pipeline_is_refused() -> None:
     refuse_unblendable(config, load_pipeline("local-cpu"))
 
 
+def test_a_blend_pipeline_off_vllms_cpu_backend_is_refused() -> None:
+    pipeline = load_pipeline("blend", overrides={"blend.separator": [5]})
+    with pytest.raises(ValueError, match=r"on vLLM's CPU backend only \(it reads and writes single tokens "
+                                         r"through the CPU cache-write op\)"):
+        refuse_unblendable(vllm_config(BLEND), pipeline, cpu=False)
+    refuse_unblendable(vllm_config(BLEND), pipeline, cpu=True)
+
+
 def test_a_blend_pipeline_without_a_separator_stops_vllm_at_load_with_its_place() -> None:
     with pytest.raises(PipelineError, match=r"blend\.toml:\d+:\d+: \[blend\]: missing required key 'separator'"):
         FlowKVConnector(vllm_config({"pipeline": "blend"}), KVConnectorRole.SCHEDULER, None)

@@ -1,4 +1,4 @@
-"""flowkv's model plugin: vLLM's Llama / Qwen2 / Mistral classes, recorded for the blend, and the vLLM facts it rests on.
+"""flowkv's model plugin (vLLM's Llama / Qwen2 / Mistral, recorded for the blend) and the vLLM facts it rests on.
 
 vLLM hands a KV connector no model; CacheBlend's recompute needs the one vLLM
 loaded. flowkv's ``vllm.general_plugins`` entry (``flowkv-models``)
@@ -110,3 +110,46 @@ def test_the_recorded_classes_take_the_arguments_vllm_builds_new_style_models_wi
         parameters = inspect.signature(getattr(_recorded_models, name).__init__).parameters
         assert {"vllm_config", "prefix"} <= set(parameters), (name, list(parameters))
         assert parameters["vllm_config"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def _self_calls(function) -> list[str]:
+    """The ``self.X(...)`` calls of ``function``'s body, in source order."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+             and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"]
+    return [node.func.attr for node in sorted(calls, key=lambda node: (node.lineno, node.col_offset))]
+
+
+# What the blend's recompute replays of each layer (flowkv.integration.vllm.blend.Blender._recompute),
+# and the extra steps of variants it refuses at start (blend._refuse_variant).
+ATTENTION_STEPS = ["qkv_proj", "rotary_emb", "attn", "o_proj"]
+LAYER_STEPS = ["input_layernorm", "input_layernorm", "self_attn", "post_attention_layernorm", "mlp"]
+REFUSED_STEPS = {"q_norm", "k_norm", "_get_llama_4_attn_scale", "ada_rms_norm_t_cond"}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_the_layers_forward_is_the_sequence_the_blend_replays(family) -> None:
+    import importlib
+
+    module = importlib.import_module(f"vllm.model_executor.models.{family}")
+    prefix = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[family]
+    attention, layer = getattr(module, f"{prefix}Attention"), getattr(module, f"{prefix}DecoderLayer")
+    for cls, steps in ((attention, ATTENTION_STEPS), (layer, LAYER_STEPS)):
+        calls = _self_calls(cls.forward)
+        assert [call for call in calls if call not in REFUSED_STEPS] == steps, (cls.__qualname__, calls)
+    # The attention's projections split q, k, v by these sizes; the model embeds with embed_tokens.
+    assert "qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)" in inspect.getsource(attention.forward)
+    model = getattr(module, f"{prefix}Model", None) or module.LlamaModel
+    assert "self.embed_tokens(" in inspect.getsource(model.embed_input_ids)
+
+
+def test_the_attention_facts_the_blend_reads() -> None:
+    """The blend reads, never calls, vLLM's ``attn`` module: its ``layer_name`` (the KV cache's key),
+    ``sliding_window`` (refused), and its backend's ``impl.scale`` (the softmax scale it attends at)."""
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    init = inspect.getsource(Attention.__init__)
+    for fact in ("self.layer_name = prefix", "self.sliding_window = sliding_window", "self.impl = impl_cls("):
+        assert fact in init, fact
+    assert "self.scale = float(scale)" in inspect.getsource(CPUAttentionBackendImpl.__init__)

@@ -20,7 +20,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from vllm_helpers import BLOCK_SIZE, KV_BYTES_PER_TOKEN, LOOKUP_TIMEOUT_MS, random_tokens, shutdown_llm, tiny_model_dir
+from vllm_helpers import (
+    BLOCK_SIZE,
+    EVICT_TAG,
+    KV_BYTES_PER_TOKEN,
+    LOOKUP_TIMEOUT_MS,
+    random_tokens,
+    shutdown_llm,
+    tiny_model_dir,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -38,15 +46,39 @@ MAX_TOKENS = 8
 TIE = 1e-3
 
 
-def start(connected: bool):
+# The blend pipeline, plus a stage that removes one chunk between lookup and load for requests
+# tagged test_evict_chunk (vllm_helpers.evict_chunk); untagged requests pass untouched.
+EVICTING_BLEND = """
+extends = "blend"
+
+[pipeline]
+name = "blend-evict-test"
+
+[retrieve]
+replace = ["lookup"]
+
+[[retrieve.stages]]
+use = "lookup"
+
+[[retrieve.stages]]
+use = "vllm_helpers:evict_chunk"
+
+[telemetry]
+exporter = "file"
+folder = "{traces}"
+"""
+
+
+def start(pipeline: str | None = None):
+    """An fp32 engine: with flowkv and ``pipeline`` (a blend pipeline file), or unconnected."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     transfer = None
-    if connected:
+    if pipeline is not None:
         transfer = KVTransferConfig(
             kv_connector="FlowKVConnector", kv_connector_module_path="flowkv.integration.vllm", kv_role="kv_both",
-            kv_connector_extra_config={"pipeline": "blend", "blend.separator": SEPARATOR,
+            kv_connector_extra_config={"pipeline": pipeline, "blend.separator": SEPARATOR,
                                        "lookup_timeout_ms": LOOKUP_TIMEOUT_MS})
     saved = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     try:
@@ -59,15 +91,25 @@ def start(connected: bool):
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved
 
 
-def run(llm, prompt: list[int], ratio: float | None = None):
+def run(llm, prompt: list[int], ratio: float | None = None, tags: dict[str, str] | None = None):
     """Greedy decoding of one prompt: (tokens, num_cached_tokens, top-5 logprobs per position)."""
+    [result] = run_batch(llm, [prompt], ratio, tags)
+    return result
+
+
+def run_batch(llm, prompts: list[list[int]], ratio: float | None = None, tags: dict[str, str] | None = None):
+    """``run`` of several prompts in one batch."""
     from vllm import SamplingParams
 
-    extra = {"kv_transfer_params": {"flowkv.blend.recompute_ratio": ratio}} if ratio is not None else None
+    transfer_params = {f"flowkv.tag.{name}": value for name, value in (tags or {}).items()}
+    if ratio is not None:
+        transfer_params["flowkv.blend.recompute_ratio"] = ratio
+    extra = {"kv_transfer_params": transfer_params} if transfer_params else None
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5, extra_args=extra)
-    [out] = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    return (list(out.outputs[0].token_ids), out.num_cached_tokens,
-            [{token: lp.logprob for token, lp in position.items()} for position in out.outputs[0].logprobs])
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False)
+    return [(list(out.outputs[0].token_ids), out.num_cached_tokens,
+             [{token: lp.logprob for token, lp in position.items()} for position in out.outputs[0].logprobs])
+            for out in outputs]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +118,7 @@ def reference() -> dict[tuple[int, ...], tuple]:
     saved = os.environ.get("VLLM_PLUGINS")
     os.environ["VLLM_PLUGINS"] = "flowkv-logging"  # vLLM's own model classes in its processes
     try:
-        llm = start(connected=False)
+        llm = start()
     finally:
         if saved is None:
             os.environ.pop("VLLM_PLUGINS")
@@ -89,12 +131,22 @@ def reference() -> dict[tuple[int, ...], tuple]:
 
 
 @pytest.fixture(scope="module")
-def blend_llm(reference) -> Iterator:
-    llm = start(connected=True)
+def blend_llm(reference, tmp_path_factory) -> Iterator:
+    path = tmp_path_factory.mktemp("blend") / "blend-evict-test.toml"
+    traces.append(tmp_path_factory.mktemp("traces"))
+    path.write_text(EVICTING_BLEND.format(traces=traces[0]), encoding="utf-8")
+    llm = start(str(path))
     try:
+        # Every test reuses these documents: stored here, whatever order the tests run in.
+        cold_runs.append(run(llm, FIRST))
         yield llm
     finally:
         shutdown_llm(llm)
+
+
+# The fixture's cold run of FIRST (it stored the documents), and the engine's trace folder.
+cold_runs: list[tuple] = []
+traces: list = []
 
 
 def blend_counts(llm) -> tuple[int, int]:
@@ -107,7 +159,9 @@ def counters(llm) -> dict[str, int]:
     from flowkv.integration.vllm.query import worker_stats
 
     numbers = worker_stats(llm.llm_engine.vllm_config)
-    return {name: int(numbers.get(name, 0)) for name in ("blend_reused_tokens", "blend_recomputed_tokens", "stores")}
+    return {name: int(numbers.get(name, 0))
+            for name in ("blend_reused_tokens", "blend_recomputed_tokens", "stores", "retrieve_short",
+                         "stored_tokens")}
 
 
 def assert_same_greedy_up_to_ties(got, want, what: str) -> None:
@@ -129,7 +183,7 @@ def first_token_gap(got, want) -> float:
 
 
 def test_a_cold_prompt_through_flowkvs_model_classes_equals_vllms_stock_classes(blend_llm, reference) -> None:
-    cold = run(blend_llm, FIRST)
+    [cold] = cold_runs
     assert cold[1] == 0
     want = reference[tuple(FIRST)]
     assert cold[0] == want[0]
@@ -140,10 +194,12 @@ def test_a_cold_prompt_through_flowkvs_model_classes_equals_vllms_stock_classes(
 
 def test_reordered_documents_are_reused_and_ratio_1_reproduces_a_full_prefill(blend_llm, reference) -> None:
     reused_before, recomputed_before = blend_counts(blend_llm)
-    stores_before = counters(blend_llm)["stores"]
+    before = counters(blend_llm)
     warm = run(blend_llm, REORDERED, ratio=1.0)
-    # The request's save runs after a blend too (its documents are there already; the question is not kept).
-    assert counters(blend_llm)["stores"] == stores_before + 1
+    # The request's save runs after a blend too and stores nothing: the blended documents (approximate
+    # KV) are kept as they were stored, and the question is closed by no separator.
+    after = counters(blend_llm)
+    assert (after["stores"] - before["stores"], after["stored_tokens"] - before["stored_tokens"]) == (1, 0)
     documents = len(REORDERED) - len(QUESTIONS[1])
     # Every segment is found; vLLM takes whole blocks and computes the last token itself.
     loaded = (documents // BLOCK_SIZE) * BLOCK_SIZE
@@ -177,3 +233,60 @@ def test_the_default_ratio_recomputes_its_share_and_0_recomputes_nothing(blend_l
     print(f"\nblend first-token mean |Δlogprob| against a full prefill, by recompute_ratio: {gaps}")
     assert gaps[1.0] <= 1e-3 and gaps[1.0] <= gaps[0.0]
     assert_same_greedy_up_to_ties(full, want, "ratio 1.0, one document")
+
+
+def test_a_document_evicted_between_lookup_and_load_ends_the_blend_at_the_block_before_it(blend_llm, reference) -> None:
+    # Keys carry the request's tags: the documents are stored under the eviction tag first.
+    tags = {EVICT_TAG: "3"}  # chunk 3 of the reordered prompt: the first piece of D1
+    assert run(blend_llm, FIRST, tags=tags)[1] == 0
+    before = counters(blend_llm)
+    evicted = run(blend_llm, REORDERED, ratio=1.0, tags=tags)
+    after = counters(blend_llm)
+    # S and D3 came (the load is short at D1): only their whole blocks are blended, and vLLM
+    # computes from the block holding D1's start (num_cached_tokens keeps what vLLM accepted).
+    kept = (len(SYSTEM) + len(DOCS[2])) // BLOCK_SIZE * BLOCK_SIZE
+    assert after["retrieve_short"] - before["retrieve_short"] == 1
+    assert (after["blend_reused_tokens"] - before["blend_reused_tokens"],
+            after["blend_recomputed_tokens"] - before["blend_recomputed_tokens"]) == (kept, kept - len(SYSTEM))
+    assert_same_greedy_up_to_ties(evicted, reference[tuple(REORDERED)], "ratio 1.0, D1 evicted")
+    # The evicted piece (D1's first 256 tokens), recomputed by vLLM, was stored again.
+    assert after["stored_tokens"] - before["stored_tokens"] == 256
+
+
+def test_every_blend_step_has_its_span_under_the_requests_span(blend_llm) -> None:
+    from flowkv.integration.vllm import flush_worker_traces
+    from flowkv.otlp_json import load_spans
+
+    run(blend_llm, ONE_DOC, ratio=0.5)  # the only request of the module at this ratio
+    flush_worker_traces(blend_llm.llm_engine.vllm_config)
+    spans = [span for path in sorted(traces[0].glob("*.json")) for span in load_spans(path)]
+    [select] = [span for span in spans
+                if span.name == "flowkv.blend.select" and span.attributes.get("flowkv.recompute_ratio") == 0.5]
+    request_spans = [span for span in spans if span.span_id == select.parent_span_id]
+    assert [span.name for span in request_spans] == ["flowkv.request"]
+    steps = sorted((span.name, span.attributes.get("flowkv.layer", -1)) for span in spans
+                   if span.parent_span_id == select.parent_span_id and span.name.startswith("flowkv.blend."))
+    # Two layers: both recomputed for every reused token up to the check layer (1), which selects;
+    # attention runs for the layers after which tokens go on (the last layer's output is not needed).
+    assert steps == [("flowkv.blend.attend", 0), ("flowkv.blend.check", 1), ("flowkv.blend.recompute", 0),
+                     ("flowkv.blend.recompute", 1), ("flowkv.blend.rerotate", -1), ("flowkv.blend.select", -1),
+                     ("flowkv.blend.stage", -1), ("flowkv.blend.write", -1)]
+    loaded = (len(ONE_DOC) - len(QUESTIONS[2])) // BLOCK_SIZE * BLOCK_SIZE
+    assert select.attributes["flowkv.selected_tokens"] == -(-(loaded - len(SYSTEM)) // 2)
+    mine = [span for span in spans if span.parent_span_id == select.parent_span_id]
+    took = {name: round(sum(span.end_ns - span.start_ns for span in mine
+                            if span.name == f"flowkv.blend.{name}") / 1e6, 2)
+            for name in ("rerotate", "recompute", "attend", "check", "select", "write", "stage")}
+    print(f"\nblend of {loaded} tokens at ratio 0.5, ms per step: {took}")
+
+
+def test_two_blends_in_one_batch_each_reproduce_their_full_prefill(blend_llm, reference) -> None:
+    """Loads of one step blend one after the other through the one staging cache."""
+    before = counters(blend_llm)
+    results = run_batch(blend_llm, [REORDERED, ONE_DOC], ratio=1.0)
+    loaded = [(len(prompt) - len(question)) // BLOCK_SIZE * BLOCK_SIZE
+              for prompt, question in ((REORDERED, QUESTIONS[1]), (ONE_DOC, QUESTIONS[2]))]
+    assert [cached for _, cached, _ in results] == loaded
+    assert counters(blend_llm)["blend_reused_tokens"] - before["blend_reused_tokens"] == sum(loaded)
+    for prompt, result in zip((REORDERED, ONE_DOC), results):
+        assert_same_greedy_up_to_ties(result, reference[tuple(prompt)], f"batched, {len(prompt)} tokens")

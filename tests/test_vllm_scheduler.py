@@ -336,6 +336,8 @@ def test_a_blend_load_carries_every_token_of_the_documents_it_touches_and_the_re
     # The same step's save keeps out what the load brought (chunk-aligned, as the engine skips).
     [save] = meta.saves
     assert save.token_ids == prompt and save.skip_prefix == floor_to(matched, CHUNK)
+    # Segment keys only, made in the worker: nothing of the blended range goes under chained keys.
+    assert save.chunk_hashes is None
 
 
 def test_a_blend_save_stores_every_document_a_separator_closed_not_only_whole_chunks():

@@ -17,7 +17,7 @@ forward pass that reads it):
    ``recompute_ratio`` share whose K/V deviates most from the loaded K/V is
    selected, and only those go on, layer by layer, attending over the fused KV
    (exact prefix, loaded segments, tokens recomputed so far) with flowkv's own
-   attention at ``attn.impl.scale``. vLLM's ``attn`` modules are never called
+   attention at ``attn.impl.scale`` (`causal_attention`). vLLM's ``attn`` modules are never called
    (they write vLLM's cache and re-enter the connector's hooks), and weights
    are never read (vLLM's CPU backend empties them after packing);
 4. **write**: every loaded token's K/V goes into vLLM's blocks through vLLM's
@@ -32,7 +32,10 @@ every layer: a full prefill of the documents, up to float rounding.
 Why synchronous in ``start_load_kv``: the recompute needs the model's weights
 and the whole fused KV of every layer before vLLM's first layer reads it, and
 on the CPU backend an asynchronous path would compete with vLLM's own OpenMP
-workers for the same cores (see the README).
+workers for the same cores (see the README). It runs outside the engine's
+lock, so lookups go on meanwhile. Each step has its span under the request's:
+``flowkv.blend.stage`` (saves), ``.rerotate``, ``.recompute`` and ``.attend``
+(per layer), ``.check``, ``.select``, ``.write``.
 """
 
 from __future__ import annotations
@@ -60,17 +63,21 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("flowkv.integration")
 
-__all__ = ["BlendCounts", "Blender", "refuse_unblendable"]
+__all__ = ["BlendCounts", "Blender", "causal_attention", "refuse_unblendable"]
 
 # Queries per attention call: bounds the score matrix (queries x heads x keys) the recompute holds.
 _QUERY_TILE = 256
 
 
-def refuse_unblendable(vllm_config: VllmConfig, pipeline: Pipeline) -> None:
-    """Stop vLLM at start when a blend pipeline cannot blend in this engine, saying why."""
+def refuse_unblendable(vllm_config: VllmConfig, pipeline: Pipeline, *, cpu: bool = True) -> None:
+    """Stop vLLM at start when a blend pipeline cannot blend in this engine, saying why
+    (``cpu``: whether vLLM runs its CPU backend)."""
     if pipeline.blend is None:
         return
     where = f"flowkv: pipeline '{pipeline.name}' ({pipeline.source}) blends documents (CacheBlend)"
+    if not cpu:
+        raise ValueError(f"{where}, which flowkv does on vLLM's CPU backend only (it reads and writes single "
+                         "tokens through the CPU cache-write op); use a prefix pipeline such as 'local-cpu' here")
     architectures = list(getattr(vllm_config.model_config, "architectures", None) or [])
     if not architectures or architectures[0] not in BLENDABLE_ARCHITECTURES:
         raise ValueError(f"{where}, which flowkv does for {', '.join(BLENDABLE_ARCHITECTURES)} only; this "
@@ -89,6 +96,43 @@ def refuse_unblendable(vllm_config: VllmConfig, pipeline: Pipeline) -> None:
     if pipeline.layerwise.enabled:
         raise ValueError(f"{where}; a blend loads and recomputes before the forward pass, not layer by layer: "
                          "set [layerwise] enabled = false")
+
+
+def _refuse_variant(layer: Any, name: str) -> None:
+    """Refuse the variants of the blendable classes whose layer does more than the recompute
+    replays (the steps ``tests/test_blend_models.py`` pins in vLLM's forward code)."""
+    attn = layer.self_attn
+    found = [what for what, on in (
+        ("per-head q/k norm (qk_norm)", getattr(attn, "qk_norm", False)),
+        ("Llama 4 attention scaling", getattr(attn, "do_llama_4_scaling", False)),
+        ("adaptive RMS norm (ada_rms_norm_t_cond)", getattr(layer, "ada_rms_norm_t_cond", None) is not None),
+        ("sliding-window attention", getattr(attn.attn, "sliding_window", None) is not None),
+    ) if on]
+    if found:
+        raise RuntimeError(f"flowkv: layer {name!r} uses {', '.join(found)}, which flowkv's blend does not "
+                           "recompute; use a prefix pipeline such as 'local-cpu' with this model")
+
+
+def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Attention of queries ``q`` ``(n, heads * head_size)`` at ``positions`` over the KV of positions
+    ``[0, len(keys))`` (``(tokens, kv_heads, head_size)``), each query seeing positions up to its own;
+    grouped heads (query head ``h`` reads KV head ``h // (heads // kv_heads)``), in fp32, at ``scale``
+    (vLLM's ``attn.impl.scale``). Returns ``(n, heads * head_size)`` in ``q``'s dtype."""
+    kv_heads, head_size = keys.shape[1], keys.shape[2]
+    heads = q.shape[-1] // head_size
+    group = heads // kv_heads
+    queries = q.reshape(len(q), kv_heads, group, head_size).float()
+    k, v = keys.float(), values.float()
+    out = torch.empty(len(q), kv_heads, group, head_size, dtype=torch.float32)
+    key_positions = torch.arange(len(keys))
+    for first in range(0, len(q), _QUERY_TILE):
+        tile = slice(first, first + _QUERY_TILE)
+        scores = torch.einsum("qhgd,khd->qhgk", queries[tile], k) * scale
+        hidden = key_positions[None, :] > positions[tile, None]
+        scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
+        out[tile] = torch.einsum("qhgk,khd->qhgd", torch.softmax(scores, dim=-1), v)
+    return out.reshape(len(q), heads * head_size).to(q.dtype)
 
 
 @dataclass
@@ -124,7 +168,6 @@ class Blender:
         #: the engine's tracer, set once the engine exists (spans per blend step)
         self.tracer: Any = None
         first = next(iter(kv_caches.values()))
-        self._dtype = first.dtype
         self._layout = packed_layout(first.dtype, block_size=block_size, head_size=head_size)
         num_blocks = ceil_to(vllm_config.model_config.max_model_len, block_size) // block_size
         by_name = {}
@@ -134,6 +177,7 @@ class Blender:
         for name, kv_cache in kv_caches.items():
             if name not in by_name:
                 raise RuntimeError(f"flowkv: vLLM's KV cache names layer {name!r}, which the model has not")
+            _refuse_variant(by_name[name], name)
             staging = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=first.dtype)
             self._layers.append(_Layer(module=by_name[name], kv_cache=kv_cache, staging=staging))
         self.geometry = KVGeometry("flash_kv_nhd", num_layers=len(self._layers), num_kv_heads=num_kv_heads,
@@ -192,7 +236,9 @@ class Blender:
         counts = BlendCounts(reused=end - start)
         if ratio > 0 and reuse_from < end:
             counts.recomputed = self._recompute(token_ids, block_ids, start, reuse_from, end, keys, values, ratio)
-        with self._span("flowkv.blend.write", {"flowkv.tokens": end - start}):
+        with self._span("flowkv.blend.write", {"flowkv.tokens": end - start,
+                                               "flowkv.blend.reused_tokens": counts.reused,
+                                               "flowkv.blend.recomputed_tokens": counts.recomputed}):
             slots = self._slots(block_ids, start, end)
             for layer, layer_keys, layer_values in zip(self._layers, keys, values):
                 write_tokens(self._layout, layer.kv_cache, slots, layer_keys, layer_values)
@@ -251,7 +297,7 @@ class Blender:
                 break
             with self._span("flowkv.blend.attend", {"flowkv.layer": index, "flowkv.tokens": len(rows)}):
                 fused_keys, fused_values = self._fused(layer, prefix_slots, keys[index], values[index])
-                out = self._attend(q, fused_keys, fused_values, positions, attn)
+                out = causal_attention(q, fused_keys, fused_values, positions, float(attn.attn.impl.scale))
                 output, _ = attn.o_proj(out)
                 hidden, residual = layer.module.post_attention_layernorm(output, residual)
                 hidden = layer.module.mlp(hidden)
@@ -264,26 +310,6 @@ class Blender:
             return keys, values
         prefix_keys, prefix_values = self._layout.read_tokens(layer.kv_cache, prefix_slots)
         return torch.cat([prefix_keys, keys]), torch.cat([prefix_values, values])
-
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                attn: Any) -> torch.Tensor:
-        """Causal attention of queries at ``positions`` over the fused KV of positions ``[0, len(keys))``,
-        at the scale vLLM's attention uses (``attn.attn.impl.scale``); ``(queries, heads * head_size)``."""
-        scale = float(attn.attn.impl.scale)
-        heads = q.shape[-1] // self._head_size
-        group = heads // self._num_kv_heads
-        queries = q.reshape(len(q), self._num_kv_heads, group, self._head_size).float()
-        k = keys.float()
-        v = values.float()
-        out = torch.empty(len(q), self._num_kv_heads, group, self._head_size, dtype=torch.float32)
-        key_positions = torch.arange(len(keys))
-        for first in range(0, len(q), _QUERY_TILE):
-            tile = slice(first, first + _QUERY_TILE)
-            scores = torch.einsum("qhgd,khd->qhgk", queries[tile], k) * scale
-            hidden = key_positions[None, :] > positions[tile, None]
-            scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
-            out[tile] = torch.einsum("qhgk,khd->qhgd", torch.softmax(scores, dim=-1), v)
-        return out.reshape(len(q), heads * self._head_size).to(q.dtype)
 
     # -- helpers ----------------------------------------------------------------------
 

@@ -66,7 +66,7 @@ class FlowKVConnector(KVConnectorBase_V1):
         # both processes, with every error listed.
         pipeline = load_pipeline(settings.pipeline, overrides=settings.overrides)
         # A blend pipeline on a model, parallel layout or cache setting it cannot blend stops here.
-        refuse_unblendable(vllm_config, pipeline)
+        refuse_unblendable(vllm_config, pipeline, cpu=current_platform.is_cpu())
         block_size = vllm_config.cache_config.block_size
         chunk_size = whole_block_chunk_size(pipeline.chunk_size, block_size, packed_blocks=current_platform.is_cpu())
         if chunk_size != pipeline.chunk_size:

@@ -8,7 +8,8 @@
 - ``Instance``: the vLLM instance a connector serves (its id, data-parallel
   rank and number of workers), which names the workers' lookup sockets.
 - ``request_tags``: a request's cache-key tags and skip-save flag, from its
-  ``kv_transfer_params``, ``cache_salt`` and LoRA adapter.
+  ``kv_transfer_params``, ``cache_salt`` and LoRA adapter; ``request_recompute_ratio``
+  its own blend ``recompute_ratio`` (``flowkv.blend.recompute_ratio``).
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ from flowkv.integration._ipc import default_ipc_dir, socket_path
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-
-    from flowkv.pipeline_model import Pipeline
     from vllm.v1.request import Request
 
 logger = logging.getLogger("flowkv.integration")

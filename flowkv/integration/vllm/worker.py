@@ -271,8 +271,11 @@ class ConnectorWorker:
                 transfer = self._transfer(load, load.token_ids, load.start, load.end, lookup_id=load.lookup_id)
                 with self._engine_lock, step.active(load.req_id):
                     result = self._engine.retrieve(transfer)
-                    reached = self._reached(load, result.loaded_to)
-                    if self._blender is not None:
+                reached = self._reached(load, result.loaded_to)
+                if self._blender is not None:
+                    # Outside the engine lock: lookups go on while the model recomputes (the
+                    # staging cache is written by retrieves only, on this thread).
+                    with step.active(load.req_id):
                         self._blended(load, reached, result.moved)
                 loaded_to = reached
             except Exception:
@@ -281,10 +284,13 @@ class ConnectorWorker:
 
     def _blended(self, load: LoadSpec, loaded_to: int, moved: tuple[tuple[int, int, int], ...]) -> None:
         """Blend a blend pipeline's load into vLLM's blocks (see blend.py); counted in the engine's stats."""
-        counts = self._blender.blend(load.token_ids, load.block_ids, load.start, loaded_to, moved,
-                                     load.recompute_ratio)
-        self._engine.count("blend_reused_tokens", counts.reused)
-        self._engine.count("blend_recomputed_tokens", counts.recomputed)
+        # A short load: vLLM recomputes from the block holding the first token not loaded
+        # (``_loaded``), so only the whole blocks before it are blended.
+        end = loaded_to if loaded_to >= load.end else max(load.start, floor_to(loaded_to, self._block_size))
+        counts = self._blender.blend(load.token_ids, load.block_ids, load.start, end, moved, load.recompute_ratio)
+        with self._engine_lock:
+            self._engine.count("blend_reused_tokens", counts.reused)
+            self._engine.count("blend_recomputed_tokens", counts.recomputed)
 
     def _load_failed(self, load: LoadSpec) -> None:
         """A retrieve that raised: drop the pins its lookup took; vLLM recomputes the load."""
@@ -475,9 +481,11 @@ class ConnectorWorker:
                 transfer = self._transfer(save, token_ids, save.token_start, save.token_start + len(token_ids))
                 if self._fleet is not None:
                     self._fleet.note_save(save, token_ids)
-                with self._engine_lock, step.active(save.req_id):
-                    if self._blender is not None:
+                if self._blender is not None:
+                    # The true K/V of the segments to store, out of vLLM's packed blocks (blend.py).
+                    with step.active(save.req_id):
                         self._blender.stage_for_save(token_ids, save.block_ids, save.skip_prefix)
+                with self._engine_lock, step.active(save.req_id):
                     stored = self._engine.store(transfer).stored_tokens
                 step.annotate(save.req_id, {"flowkv.stored_tokens": stored})
             except Exception:
