@@ -106,3 +106,14 @@ def test_a_blend_pipeline_without_a_separator_stops_vllm_at_load_with_its_place(
 def test_a_request_sets_its_own_recompute_ratio_or_keeps_the_pipelines(given, ratio) -> None:
     params = {} if given is None else {RECOMPUTE_RATIO_KEY: given}
     assert request_recompute_ratio(SimpleNamespace(kv_transfer_params=params)) == ratio
+
+
+def test_without_flowkvs_model_plugin_the_worker_refuses_to_blend(monkeypatch) -> None:
+    """``VLLM_PLUGINS`` leaving out ``flowkv-models``: no model was recorded in the worker."""
+    from flowkv.integration.vllm import models
+    from flowkv.integration.vllm.blend import Blender
+
+    monkeypatch.setattr(models, "_loaded", None)
+    pipeline = load_pipeline("blend", overrides={"blend.separator": [5]})
+    with pytest.raises(RuntimeError, match=r"'flowkv-models' was not loaded: is VLLM_PLUGINS set without it\?"):
+        Blender(vllm_config(BLEND), pipeline.blend, {}, num_kv_heads=2, head_size=64, block_size=128)

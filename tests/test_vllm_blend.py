@@ -231,7 +231,8 @@ def test_the_default_ratio_recomputes_its_share_and_0_recomputes_nothing(blend_l
     full = run(blend_llm, ONE_DOC, ratio=1.0)
     gaps = {ratio: first_token_gap(result, want) for ratio, result in ((0.0, plain), (0.15, default), (1.0, full))}
     print(f"\nblend first-token mean |Δlogprob| against a full prefill, by recompute_ratio: {gaps}")
-    assert gaps[1.0] <= 1e-3 and gaps[1.0] <= gaps[0.0]
+    # 1.0 is a full prefill; the default lies between it and plain concatenation.
+    assert gaps[1.0] <= 1e-3 and gaps[1.0] < gaps[0.15] <= gaps[0.0]
     assert_same_greedy_up_to_ties(full, want, "ratio 1.0, one document")
 
 
