@@ -11,6 +11,9 @@ is cut there or dropped. Loads vLLM waits for between steps are held in
 ``start_load_kv`` and finished in ``get_finished`` (``async_loads.py``).
 Specs name their chunks by chained hash and carry only the tokens of the
 chunks they touch (``token_start`` on): the engine call is made for those.
+Blend pipelines move KV through the ``Blender``'s staging cache and blend
+each load into vLLM's blocks before the forward pass (``blend.py``); a blend
+that fails is a failed load (vLLM recomputes it).
 """
 
 from __future__ import annotations
