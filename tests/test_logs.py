@@ -97,4 +97,8 @@ def test_flowkv_leaves_logging_to_the_program_when_vllm_does_not_own_it(why):
 
 def test_vllm_loads_the_set_up_as_a_general_plugin():
     plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
-    assert [p.value for p in plugins if p.value.startswith("flowkv.")] == ["flowkv.logs:vllm_plugin"]
+    # (and the blend's model plugin: tests/test_blend_models.py)
+    assert {p.name: p.value for p in plugins if p.value.startswith("flowkv.")} == {
+        "flowkv-logging": "flowkv.logs:vllm_plugin",
+        "flowkv-models": "flowkv.integration.vllm.models:register_models",
+    }

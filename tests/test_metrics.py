@@ -81,3 +81,18 @@ def test_prometheus_metrics_record_an_interval() -> None:
     assert value("vllm:flowkv_pinned_objects") == 0
     assert value("vllm:flowkv_store_seconds_count") == 1
     assert value("vllm:flowkv_lookup_seconds_count") == 2
+
+
+def test_the_blend_counters_become_prometheus_counters() -> None:
+    engine, _, before = run_engine()
+    # What the worker counts after each blend (flowkv.integration.vllm.worker._blended).
+    engine.count("blend_reused_tokens", 896)
+    engine.count("blend_recomputed_tokens", 120)
+    stats = FlowKVStats.between(before, snapshot(engine.stats()), engine.drain_latencies())
+    assert stats.reduce()["blend_reused_tokens"] == 896
+    registry = CollectorRegistry()
+    metric_types = {kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
+    metrics = FlowKVPromMetrics(types.SimpleNamespace(kv_transfer_config=None), metric_types, ["engine"], {0: ["0"]})
+    metrics.observe(stats.data, engine_idx=0)
+    assert registry.get_sample_value("vllm:flowkv_blend_reused_tokens_total", {"engine": "0"}) == 896
+    assert registry.get_sample_value("vllm:flowkv_blend_recomputed_tokens_total", {"engine": "0"}) == 120

@@ -480,3 +480,29 @@ def test_engine_traces_carry_the_probe_and_the_copy_bandwidth(tmp_path):
     summary = summarize(spans)
     assert summary.copy_gbps_source == "trace"
     assert all(s.transfer == (s.stage in ("gather", "scatter")) for s in summary.stages)
+
+
+def test_the_summary_gives_the_blends_recompute_share_and_its_cost():
+    spans = [
+        record("flowkv.request", 0, 100, 1),
+        # One blend of 400 loaded tokens, 60 recomputed past the check layer ...
+        record("flowkv.blend.rerotate", 0, 2, 2, parent=1),
+        record("flowkv.blend.recompute", 2, 10, 3, parent=1, **{"flowkv.layer": 0}),
+        record("flowkv.blend.recompute", 12, 14, 4, parent=1, **{"flowkv.layer": 1}),
+        record("flowkv.blend.attend", 10, 12, 5, parent=1, **{"flowkv.layer": 0}),
+        record("flowkv.blend.write", 14, 15, 6, parent=1, **{"flowkv.blend.reused_tokens": 400,
+                                                          "flowkv.blend.recomputed_tokens": 60}),
+        # ... another of 100 with nothing recomputed (ratio 0), and a save's copy out of vLLM.
+        record("flowkv.blend.write", 20, 21, 7, parent=1, **{"flowkv.blend.reused_tokens": 100,
+                                                          "flowkv.blend.recomputed_tokens": 0}),
+        record("flowkv.blend.stage", 30, 33, 8, parent=1),
+    ]
+    blend = summarize(spans).blend
+    assert (blend.blends, blend.reused_tokens, blend.recomputed_tokens) == (2, 500, 60)
+    assert blend.recompute_share == 0.12
+    assert blend.step_ns == {"attend": 2 * MS, "recompute": 10 * MS, "rerotate": 2 * MS, "stage": 3 * MS,
+                             "write": 2 * MS}
+    assert blend.load_ns == 16 * MS  # the save's copy is not the loads' cost
+    text = format_summary(summarize(spans))
+    assert "blend: 2 loads, 500 tokens reused, 60 recomputed (12.0%)" in text
+    assert summarize([record("flowkv.request", 0, 1, 1)]).blend is None

@@ -24,6 +24,7 @@ from vllm.v1.request import Request  # noqa: E402
 from flowkv import CacheEngine  # noqa: E402
 from flowkv._testing.paged import make_paged_kv, random_slot_mapping  # noqa: E402
 from flowkv.calls import KVTransfer  # noqa: E402
+from flowkv.integration.vllm.metadata import floor_to  # noqa: E402
 from flowkv.integration.vllm.query import answer  # noqa: E402
 from flowkv.integration.vllm.scheduler import ConnectorScheduler  # noqa: E402
 from flowkv.integration.vllm.settings import ConnectorSettings  # noqa: E402
@@ -378,3 +379,87 @@ def test_a_resumed_request_is_looked_at_again():
     assert connector._requests[request.request_id].block_ids == list(range(200, 208))
     assert [(save.token_start, save.block_ids) for save in meta.saves] == [(0, list(range(200, 208)))]
     assert request.request_id in connector._attentive
+
+
+# -- blend pipelines (CacheBlend): segments end anywhere -----------------------------------------
+
+SEPARATOR = [1, 2]  # never drawn by tokens()
+BLEND = {"pipeline": "blend", "blend.separator": SEPARATOR}
+
+
+def blend_parts(seed: int) -> tuple[list[int], list[list[int]]]:
+    """A system prompt and four documents, each closed by the separator."""
+    system = tokens(40, seed) + SEPARATOR
+    return system, [tokens(100, seed + 1 + i) + SEPARATOR for i in range(4)]
+
+
+def blend_engine() -> CacheEngine:
+    return worker_engine(pipeline="blend", **{"blend.separator": SEPARATOR})
+
+
+def test_a_blend_lookup_matches_the_prefix_then_each_following_document_found_up_to_the_first_missing():
+    engine = blend_engine()
+    system, docs = blend_parts(seed=40)
+    store(engine, system + docs[0] + docs[1] + docs[2])
+    connector = scheduler(engine, **BLEND)
+    question = tokens(20, seed=49)
+    reordered = system + docs[2] + docs[0] + question
+    # Whole blocks of the documents found; the question is never stored.
+    assert connector.get_num_new_matched_tokens(vllm_request("reordered", reordered), 0) == (
+        floor_to(len(system + docs[2] + docs[0]), BLOCK), False)
+    # A document flowkv does not hold ends the match there, though one after it is stored.
+    holed = system + docs[1] + docs[3] + docs[0] + question
+    assert connector.get_num_new_matched_tokens(vllm_request("holed", holed), 0) == (
+        floor_to(len(system + docs[1]), BLOCK), False)
+    # Segment pipelines ship tokens: a segment's key depends on where separators fall.
+    header, body_bytes = connector._lookup_client.lookups[-1]
+    assert "num_tokens" not in header and body_bytes == 8 * len(holed)
+
+
+def test_a_blend_load_carries_every_token_of_the_documents_it_touches_and_the_requests_ratio():
+    engine = blend_engine()
+    system, docs = blend_parts(seed=50)
+    store(engine, system + docs[0] + docs[1])
+    connector = scheduler(engine, **BLEND, async_loads="always")
+    prompt = system + docs[1] + docs[0] + tokens(20, seed=59)
+    request = Request("ratio", prompt, SamplingParams(max_tokens=4, extra_args={
+        "kv_transfer_params": {"flowkv.blend.recompute_ratio": 0.4}}), None,
+        block_hasher=get_request_block_hasher(BLOCK, sha256_cbor))
+    documents = len(system + docs[1] + docs[0])
+    matched, load_async = connector.get_num_new_matched_tokens(request, 0)
+    # Even with async_loads = "always": a blend recomputes in the step it lands in.
+    assert (matched, load_async) == (floor_to(documents, BLOCK), False)
+    connector.update_state_after_alloc(request, None, matched)
+    blocks = list(range(len(prompt) // BLOCK + 1))
+    meta = connector.build_connector_meta(output(new=[(request, 0, blocks)], scheduled={"ratio": len(prompt)}))
+    [load] = meta.loads
+    assert (load.start, load.end, load.token_start) == (0, matched, 0)
+    # The last document reaches past the last whole block: all of it goes, or its key would differ.
+    assert load.token_ids == prompt[:documents] and load.chunk_hashes is None
+    assert load.recompute_ratio == 0.4
+    # The same step's save keeps out what the load brought (chunk-aligned, as the engine skips).
+    [save] = meta.saves
+    assert save.token_ids == prompt and save.skip_prefix == floor_to(matched, CHUNK)
+    # Segment keys only, made in the worker: nothing of the blended range goes under chained keys.
+    assert save.chunk_hashes is None
+
+
+def test_a_blend_save_stores_every_document_a_separator_closed_not_only_whole_chunks():
+    engine = blend_engine()
+    system, docs = blend_parts(seed=60)
+    prompt = system + docs[0] + docs[1] + tokens(20, seed=69)
+    connector = scheduler(engine, **BLEND)
+    request = vllm_request("cold", prompt)
+    assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
+    connector.update_state_after_alloc(request, None, 0)
+    blocks = list(range(len(prompt) // BLOCK + 1))
+    meta = connector.build_connector_meta(output(new=[(request, 0, blocks)], scheduled={"cold": len(prompt)}))
+    [save] = meta.saves
+    assert save.token_ids == prompt and save.skip_prefix == 0
+    carry_out_saves(engine, meta)
+    # The second document ends past the last chunk boundary and is stored all the same.
+    later = system + docs[1] + tokens(20, seed=70)
+    assert engine.lookup(torch.tensor(later)) == len(system + docs[1])
+    # Nothing new past the prompt: the next step asks for no save.
+    step = connector.build_connector_meta(output(cached=[(request, len(prompt), None)], scheduled={"cold": 1}))
+    assert step.saves == []

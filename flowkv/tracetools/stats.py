@@ -11,6 +11,10 @@ from flowkv.otlp_json import SpanRecord
 RUN_ROOT_NAMES = frozenset({"flowkv.store", "flowkv.retrieve", "flowkv.lookup"})
 WAIT_SPAN = "flowkv.wait"
 STEP_SPAN = "flowkv.step"
+# CacheBlend in the vLLM worker: every step of a blend is a span named flowkv.blend.<step>;
+# the write span closes each blend and carries its token counts.
+BLEND_SPAN_PREFIX = "flowkv.blend."
+BLEND_WRITE_SPAN = "flowkv.blend.write"
 
 COPY_GBPS_ATTRIBUTE = "flowkv.host.copy_gbps"
 _PROBE_ATTRIBUTES = ("flowkv.faults", "flowkv.cpu_ns", "flowkv.preempted")
@@ -62,6 +66,18 @@ class TierStats:
 
 
 @attrs.frozen
+class BlendStats:
+    """CacheBlend loads (``flowkv.blend.*`` spans): what share of the reused tokens was recomputed, at what cost."""
+
+    blends: int  # loads blended (one write span each)
+    reused_tokens: int  # tokens the blends loaded from stored segments
+    recomputed_tokens: int  # of them, tokens recomputed past the check layer
+    recompute_share: float | None  # recomputed / reused (None without reused tokens)
+    step_ns: dict[str, int]  # blend step (rerotate, recompute, attend, ...) -> summed duration
+    load_ns: int  # every step of the loads' blends (saves' "stage" copies not included)
+
+
+@attrs.frozen
 class Summary:
     """What ``summarize`` finds in a trace; ``attrs.asdict`` gives its JSON."""
 
@@ -80,11 +96,30 @@ class Summary:
     suggestions: tuple[str, ...]
     copy_gbps: float | None = None  # the machine's copy bandwidth transfer stages are held against
     copy_gbps_source: str = ""  # "trace" (resource attribute), "given", "measured by summarize", ""
+    blend: BlendStats | None = None  # None: no blend spans in the trace
 
 
 # --------------------------------------------------------------------------
 # interval arithmetic over [start, end) in nanoseconds
 # --------------------------------------------------------------------------
+
+
+def blend_stats(spans: Sequence[SpanRecord]) -> BlendStats | None:
+    """The ``BlendStats`` of a trace's ``flowkv.blend.*`` spans, None when it has none."""
+    blend = [span for span in spans if span.name.startswith(BLEND_SPAN_PREFIX)]
+    if not blend:
+        return None
+    step_ns: dict[str, int] = {}
+    for span in blend:
+        step = span.name[len(BLEND_SPAN_PREFIX):]
+        step_ns[step] = step_ns.get(step, 0) + span.end_ns - span.start_ns
+    writes = [span for span in blend if span.name == BLEND_WRITE_SPAN]
+    reused = sum(_int_attr(span, "flowkv.blend.reused_tokens") for span in writes)
+    recomputed = sum(_int_attr(span, "flowkv.blend.recomputed_tokens") for span in writes)
+    return BlendStats(blends=len(writes), reused_tokens=reused, recomputed_tokens=recomputed,
+                      recompute_share=recomputed / reused if reused else None,
+                      step_ns=dict(sorted(step_ns.items())),
+                      load_ns=sum(ns for step, ns in step_ns.items() if step != "stage"))
 
 
 def _union(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:

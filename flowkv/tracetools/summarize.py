@@ -20,6 +20,7 @@ from flowkv.tracetools.stats import (
     StageStats,
     Summary,
     TierStats,
+    blend_stats,
     _int_attr,
     _intersection_length,
     _is_run_root,
@@ -256,6 +257,7 @@ def summarize(spans: Sequence[SpanRecord], *, copy_gbps: float | None = None,
         suggestions=(),
         copy_gbps=copy_gbps,
         copy_gbps_source=copy_gbps_source if copy_gbps is not None else "",
+        blend=blend_stats(spans),
     )
     return attrs.evolve(summary, suggestions=tuple(suggest(summary)))
 

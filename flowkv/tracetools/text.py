@@ -48,6 +48,13 @@ def format_summary(summary: Summary) -> str:
         lines.append("slowest: " + ", ".join(summary.slowest))
     else:
         lines.append("no stage spans found")
+    if summary.blend is not None:
+        blend = summary.blend
+        share = "-" if blend.recompute_share is None else f"{blend.recompute_share:.1%}"
+        lines.append("")
+        lines.append(f"blend: {blend.blends} load{'s' if blend.blends != 1 else ''}, {blend.reused_tokens} tokens "
+                     f"reused, {blend.recomputed_tokens} recomputed ({share}), {_ms(blend.load_ns)}: "
+                     + ", ".join(f"{step} {_ms(ns)}" for step, ns in blend.step_ns.items()))
     if summary.tiers:
         lines.append("")
         lines.append(f"{'tier':<16} {'spans':>6} {'own time':>14} {'hit tokens':>11}")

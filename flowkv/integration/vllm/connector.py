@@ -25,11 +25,8 @@ from vllm.platforms import current_platform
 from flowkv.integration.vllm.kv_events import PublishedEvents
 from flowkv.integration.vllm.metrics import FlowKVPromMetrics, FlowKVStats
 from flowkv.integration.vllm.scheduler import ConnectorScheduler
-from flowkv.integration.vllm.settings import (
-    ConnectorSettings,
-    refuse_unsupported_pipeline,
-    whole_block_chunk_size,
-)
+from flowkv.integration.vllm.blend import refuse_unblendable
+from flowkv.integration.vllm.settings import ConnectorSettings, whole_block_chunk_size
 from flowkv.integration.vllm.worker import ConnectorWorker
 from flowkv.pipeline import load_pipeline
 from flowkv.quality_gate import check_served_model
@@ -68,7 +65,8 @@ class FlowKVConnector(KVConnectorBase_V1):
         # Loading checks the whole pipeline: a bad one stops vLLM here, in
         # both processes, with every error listed.
         pipeline = load_pipeline(settings.pipeline, overrides=settings.overrides)
-        refuse_unsupported_pipeline(pipeline)
+        # A blend pipeline on a model, parallel layout or cache setting it cannot blend stops here.
+        refuse_unblendable(vllm_config, pipeline, cpu=current_platform.is_cpu())
         block_size = vllm_config.cache_config.block_size
         chunk_size = whole_block_chunk_size(pipeline.chunk_size, block_size, packed_blocks=current_platform.is_cpu())
         if chunk_size != pipeline.chunk_size:

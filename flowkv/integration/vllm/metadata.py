@@ -48,6 +48,9 @@ class LoadSpec:
     # vLLM waits for the load between steps (it answered (n, True)): the worker
     # reports the request in get_finished once it landed.
     load_async: bool = False
+    # Blend pipelines: the request's recompute_ratio when its kv_transfer_params set one
+    # (``flowkv.blend.recompute_ratio``); None: the pipeline's [blend] recompute_ratio.
+    recompute_ratio: float | None = None
 
 
 @dataclass

@@ -13,6 +13,8 @@ latency observations, and gauges. vLLM ships it to its logger process, where
 | ``vllm:flowkv_stored_tokens_total`` | counter | |
 | ``vllm:flowkv_retrieved_tokens_total`` | counter | |
 | ``vllm:flowkv_short_loads_total`` | counter | loads that came back short (vLLM recomputed the rest) |
+| ``vllm:flowkv_blend_reused_tokens_total`` | counter | tokens a blend loaded from segments (CacheBlend) |
+| ``vllm:flowkv_blend_recomputed_tokens_total`` | counter | of those, tokens recomputed past the check layer |
 | ``vllm:flowkv_hit_rate`` | gauge | hit tokens / requested tokens in the interval |
 | ``vllm:flowkv_tier_read_bytes_total`` / ``..._written_bytes_total`` | counter | ``tier`` |
 | ``vllm:flowkv_evictions_total`` | counter | ``tier`` |
@@ -43,7 +45,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 # Engine counters that become Prometheus counters, by stats key.
 _COUNTERS = ("lookups", "lookup_repeats", "stores", "retrieves", "async_loads", "retrieve_short",
-             "lookup_requested_tokens", "lookup_hit_tokens", "stored_tokens", "retrieved_tokens")
+             "lookup_requested_tokens", "lookup_hit_tokens", "stored_tokens", "retrieved_tokens",
+             "blend_reused_tokens", "blend_recomputed_tokens")
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -150,6 +153,9 @@ class FlowKVPromMetrics(KVConnectorPromMetrics):
         self.stored_tokens = counter("stored_tokens", "Tokens whose KV flowkv stored")
         self.retrieved_tokens = counter("retrieved_tokens", "Tokens whose KV flowkv loaded into vLLM")
         self.short_loads = counter("short_loads", "Loads that came back short: vLLM recomputed the rest")
+        self.blend_reused = counter("blend_reused_tokens", "Tokens a blend loaded from stored segments")
+        self.blend_recomputed = counter("blend_recomputed_tokens",
+                                        "Tokens of blended segments recomputed past the check layer")
         self.read_bytes = counter("tier_read_bytes", "Bytes read from each tier", ("tier",))
         self.written_bytes = counter("tier_written_bytes", "Bytes written to each tier", ("tier",))
         self.evictions = counter("evictions", "Entries evicted from each tier", ("tier",))
@@ -186,7 +192,9 @@ class FlowKVPromMetrics(KVConnectorPromMetrics):
                             (self.hit_tokens, "lookup_hit_tokens"),
                             (self.stored_tokens, "stored_tokens"),
                             (self.retrieved_tokens, "retrieved_tokens"),
-                            (self.short_loads, "retrieve_short")):
+                            (self.short_loads, "retrieve_short"),
+                            (self.blend_reused, "blend_reused_tokens"),
+                            (self.blend_recomputed, "blend_recomputed_tokens")):
             if counters.get(key):
                 metric.labels(*base).inc(counters[key])
         for key, value in counters.items():

@@ -49,7 +49,7 @@ from flowkv.integration.vllm.disagg import committed_tokens, prefill_answer, wan
 from flowkv.integration.vllm.kv_events import publishes_kv_events
 from flowkv.integration.vllm.metadata import FlowKVMetadata, LoadSpec, SaveSpec, ceil_to, floor_to
 from flowkv.integration.vllm.query import pack_hashes
-from flowkv.integration.vllm.settings import ConnectorSettings, Instance, request_tags
+from flowkv.integration.vllm.settings import ConnectorSettings, Instance, request_recompute_ratio, request_tags
 from flowkv.keys import default_hash_function_name, get_hash_function
 
 if TYPE_CHECKING:
@@ -146,6 +146,9 @@ class ConnectorScheduler:
         self._block_size = vllm_config.cache_config.block_size
         self._save_decode = pipeline.vllm.save_decode
         self._partial_chunks = pipeline.section.save_partial_chunks
+        # Blend pipelines cut requests at separators: chunks (segments) end anywhere, so lookups,
+        # loads and saves reach to where the segments end, not to chunk_size boundaries.
+        self._segments = pipeline.blend is not None
         self._loads = kv_transfer_config.is_kv_consumer
         self._saves = kv_transfer_config.is_kv_producer
         self._async_loads = settings.async_loads
@@ -190,7 +193,7 @@ class ConnectorScheduler:
         # The last token is always computed: its logits are the next token's.
         ceiling = floor_to(num_tokens - 1, self._block_size)
         # Only whole chunks can hit unless the pipeline stores partial ones.
-        lookup_end = num_tokens if self._partial_chunks else floor_to(num_tokens, self._chunk_size)
+        lookup_end = num_tokens if self._partial_chunks or self._segments else floor_to(num_tokens, self._chunk_size)
         if (not self._loads or ceiling <= num_computed_tokens or request.prompt_token_ids is None
                 or lookup_end <= num_computed_tokens):
             self._drop_answer(state)
@@ -283,7 +286,8 @@ class ConnectorScheduler:
         return state.answer
 
     def _load_async(self, state: RequestState, answer: LookupAnswer, usable: int) -> bool:
-        if self._async_loads == "off" or state.async_failures:
+        if self._async_loads == "off" or state.async_failures or self._segments:
+            # A blend load recomputes with the model in start_load_kv, inside the step it lands in.
             return False
         return self._async_loads == "always" or answer.memory_tokens < usable
 
@@ -398,6 +402,9 @@ class ConnectorScheduler:
         skip_prefix = floor_to(load.start, size)
         # To the end of the chunk holding the last loaded token (a stored partial chunk ends at the hit).
         end_of_tokens = min(ceil_to(load.end, size), max(load.hit_tokens, load.end))
+        if self._segments:
+            # The segment holding the last loaded token is keyed by all its tokens: send them.
+            end_of_tokens = max(load.hit_tokens, load.end)
         if state.chain is not None:
             token_start = skip_prefix
             hashes: list[bytes] | None = state.chain.hashes(request, token_start, end_of_tokens)
@@ -406,12 +413,13 @@ class ConnectorScheduler:
         # Chunks flowkv serves are chunks it holds. Should the load come back
         # short, vLLM rolls the request back and the check in
         # build_connector_meta lowers this again.
-        state.stored_end = max(state.stored_end, floor_to(load.end, size))
+        state.stored_end = max(state.stored_end, load.end if self._segments else floor_to(load.end, size))
         # The retrieve releases the lookup's pins.
         return LoadSpec(req_id=request.request_id, token_ids=request.all_token_ids[token_start:end_of_tokens],
                         token_start=token_start, block_ids=list(state.block_ids), start=load.start, end=load.end,
                         skip_prefix=skip_prefix, lookup_id=load.lookup_id, tags=state.tags,
-                        chunk_hashes=hashes, load_async=load.load_async)
+                        chunk_hashes=hashes, load_async=load.load_async,
+                        recompute_ratio=request_recompute_ratio(request) if self._segments else None)
 
     def _save_spec(self, state: RequestState, computed_after_step: int) -> SaveSpec | None:
         """The chunks this step completes that flowkv was not asked to store yet."""
@@ -419,7 +427,11 @@ class ConnectorScheduler:
             return None
         request = state.request
         known_tokens = request.num_tokens if self._save_decode else request.num_prompt_tokens
-        store_end = floor_to(min(computed_after_step, known_tokens), self._chunk_size)
+        store_end = min(computed_after_step, known_tokens)
+        if not self._segments:
+            store_end = floor_to(store_end, self._chunk_size)
+        # (A segment pipeline stores every segment a separator closed by then; the segment stage
+        # keeps the open one, the question, out.)
         start = state.stored_end
         if store_end <= start:
             return None
@@ -427,8 +439,10 @@ class ConnectorScheduler:
         # vLLM's block hashes, for flowkv's tier events in vLLM's KV events (when those are published).
         block_hashes = list(request.block_hashes) if self.publishes_kv_events else None
         if state.chain is None:
+            # The engine skips whole chunks only (a segment pipeline's stored_end may lie inside one).
             return SaveSpec(req_id=request.request_id, token_ids=request.all_token_ids[:store_end], token_start=0,
-                            block_ids=list(state.block_ids), skip_prefix=start, tags=state.tags,
+                            block_ids=list(state.block_ids), skip_prefix=floor_to(start, self._chunk_size),
+                            tags=state.tags,
                             block_hashes=block_hashes)
         hashes = state.chain.hashes(request, start, store_end)
         self._save_seq += 1

@@ -8,7 +8,8 @@
 - ``Instance``: the vLLM instance a connector serves (its id, data-parallel
   rank and number of workers), which names the workers' lookup sockets.
 - ``request_tags``: a request's cache-key tags and skip-save flag, from its
-  ``kv_transfer_params``, ``cache_salt`` and LoRA adapter.
+  ``kv_transfer_params``, ``cache_salt`` and LoRA adapter; ``request_recompute_ratio``
+  its own blend ``recompute_ratio`` (``flowkv.blend.recompute_ratio``).
 """
 
 from __future__ import annotations
@@ -24,17 +25,17 @@ from flowkv.integration._ipc import default_ipc_dir, socket_path
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-
-    from flowkv.pipeline_model import Pipeline
     from vllm.v1.request import Request
 
 logger = logging.getLogger("flowkv.integration")
 
-__all__ = ["ConnectorSettings", "Instance", "refuse_unsupported_pipeline", "request_tags"]
+__all__ = ["ConnectorSettings", "Instance", "request_recompute_ratio", "request_tags"]
 
 DEFAULT_PIPELINE = "local-cpu"
 TAG_PREFIX = "flowkv.tag."
 SKIP_SAVE_KEY = "flowkv.skip_save"
+# A request's own [blend] recompute_ratio (blend pipelines), in its kv_transfer_params.
+RECOMPUTE_RATIO_KEY = "flowkv.blend.recompute_ratio"
 # Extra-config keys the connector reads itself; every other key overrides the pipeline.
 _CONNECTOR_KEYS = ("pipeline", "model_name", "ipc_dir", "async_loads")
 # When vLLM waits for a load between steps instead of in the step that needs it.
@@ -144,23 +145,21 @@ def request_tags(request: Request) -> tuple[dict[str, str], bool]:
     return tags, bool(params.get(SKIP_SAVE_KEY, False))
 
 
-def refuse_unsupported_pipeline(pipeline: Pipeline) -> None:
-    """Stop vLLM at start on a pipeline the connector cannot serve as declared.
-
-    A pipeline with a ``[blend]`` table keys documents by their own tokens;
-    served through the prefix path, a document found at another place in the
-    prompt would be loaded as if it were the exact prefix (no re-rotation, no
-    recompute): wrong KV, silently. So until the blend path runs in the worker
-    the connector refuses such a pipeline instead.
-    """
-    if pipeline.blend is not None:
-        raise ValueError(
-            f"flowkv: pipeline '{pipeline.name}' ({pipeline.source}) blends documents ([blend] table: segment "
-            "keys, CacheBlend); blending is not yet supported in the vLLM connector (the selective recompute "
-            "in the worker has not landed), and serving its segments as prefixes would load KV computed at "
-            "other positions. Use a prefix pipeline such as 'local-cpu' with vLLM; 'blend' works through "
-            "flowkv.CacheEngine only for now"
-        )
+def request_recompute_ratio(request: Request) -> float | None:
+    """A request's own ``recompute_ratio`` (``flowkv.blend.recompute_ratio`` in its
+    ``kv_transfer_params``), None when it sets none or one outside 0..1 (then the pipeline's holds)."""
+    value = (request.kv_transfer_params or {}).get(RECOMPUTE_RATIO_KEY)
+    if value is None:
+        return None
+    try:
+        ratio = float(value)
+    except (TypeError, ValueError):
+        ratio = -1.0
+    if not 0.0 <= ratio <= 1.0:
+        # Raising here would take down vLLM's engine core, not just this request.
+        logger.warning("flowkv: ignoring %s=%r: a share between 0 and 1 is needed", RECOMPUTE_RATIO_KEY, value)
+        return None
+    return ratio
 
 
 def whole_block_chunk_size(chunk_size: int, block_size: int | None, *, packed_blocks: bool) -> int:

@@ -11,6 +11,9 @@ is cut there or dropped. Loads vLLM waits for between steps are held in
 ``start_load_kv`` and finished in ``get_finished`` (``async_loads.py``).
 Specs name their chunks by chained hash and carry only the tokens of the
 chunks they touch (``token_start`` on): the engine call is made for those.
+Blend pipelines move KV through the ``Blender``'s staging cache and blend
+each load into vLLM's blocks before the forward pass (``blend.py``); a blend
+that fails is a failed load (vLLM recomputes it).
 """
 
 from __future__ import annotations
@@ -122,6 +125,10 @@ class ConnectorWorker:
         # engine stores into a node server's arena, or pinned memory); whether a step is open.
         self._arena: Any = None
         self._in_step = False
+        # Blend pipelines: the recompute path, and the staging cache the engine moves KV through
+        # (None: the engine moves KV straight between its tiers and vLLM's blocks).
+        self._blender: Any = None
+        self._engine_layers: list[torch.Tensor] = []
 
     # -- set-up and the scheduler's questions ---------------------------------
 
@@ -140,6 +147,15 @@ class ConnectorWorker:
             block_size=self._block_size,
             backend_hint=self._backend_hints(kv_caches),
         )
+        self._engine_layers = self._kv_layers
+        if self._pipeline.blend is not None:
+            from flowkv.integration.vllm.blend import Blender
+
+            self._blender = Blender(self._vllm_config, self._pipeline.blend, kv_caches,
+                                    num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+                                    block_size=self._block_size)
+            geometry = self._blender.geometry
+            self._engine_layers = self._blender.staging
         rank = self._worker_rank()
         self._engine = CacheEngine.from_pipeline(
             self._pipeline,
@@ -149,6 +165,8 @@ class ConnectorWorker:
             rank=rank,
         )
         self._arena = getattr(self._engine.memory, "arena", None)
+        if self._blender is not None:
+            self._blender.tracer = self._engine.tracer
         if self._engine.chunk_size % self._block_size and self._block_size % self._engine.chunk_size:
             logger.warning(
                 "flowkv: chunk size %d and vLLM block size %d do not divide each other; "
@@ -196,8 +214,10 @@ class ConnectorWorker:
         """
         tokens = torch.tensor(token_ids, dtype=torch.int64)
         offset = spec.token_start
-        return KVTransfer(tokens=tokens, kv_caches=self._kv_layers,
-                          slot_mapping=slot_mapping(spec.block_ids, self._block_size, offset, len(tokens), start, end),
+        # A blend moves KV through its staging cache, where a token's slot is its position.
+        block_ids = self._blender.identity_blocks if self._blender is not None else spec.block_ids
+        return KVTransfer(tokens=tokens, kv_caches=self._engine_layers,
+                          slot_mapping=slot_mapping(block_ids, self._block_size, offset, len(tokens), start, end),
                           mask=chunk_mask(len(tokens), spec.skip_prefix - offset), tags=spec.tags or None,
                           request_id=spec.req_id, lookup_id=lookup_id, chunk_hashes=spec.chunk_hashes)
 
@@ -254,10 +274,26 @@ class ConnectorWorker:
                 transfer = self._transfer(load, load.token_ids, load.start, load.end, lookup_id=load.lookup_id)
                 with self._engine_lock, step.active(load.req_id):
                     result = self._engine.retrieve(transfer)
-                loaded_to = self._reached(load, result.loaded_to)
+                reached = self._reached(load, result.loaded_to)
+                if self._blender is not None:
+                    # Outside the engine lock: lookups go on while the model recomputes (the
+                    # staging cache is written by retrieves only, on this thread).
+                    with step.active(load.req_id):
+                        self._blended(load, reached, result.moved)
+                loaded_to = reached
             except Exception:
                 self._load_failed(load)
             self._loaded(load, loaded_to, step)
+
+    def _blended(self, load: LoadSpec, loaded_to: int, moved: tuple[tuple[int, int, int], ...]) -> None:
+        """Blend a blend pipeline's load into vLLM's blocks (see blend.py); counted in the engine's stats."""
+        # A short load: vLLM recomputes from the block holding the first token not loaded
+        # (``_loaded``), so only the whole blocks before it are blended.
+        end = loaded_to if loaded_to >= load.end else max(load.start, floor_to(loaded_to, self._block_size))
+        counts = self._blender.blend(load.token_ids, load.block_ids, load.start, end, moved, load.recompute_ratio)
+        with self._engine_lock:
+            self._engine.count("blend_reused_tokens", counts.reused)
+            self._engine.count("blend_recomputed_tokens", counts.recomputed)
 
     def _load_failed(self, load: LoadSpec) -> None:
         """A retrieve that raised: drop the pins its lookup took; vLLM recomputes the load."""
@@ -448,6 +484,10 @@ class ConnectorWorker:
                 transfer = self._transfer(save, token_ids, save.token_start, save.token_start + len(token_ids))
                 if self._fleet is not None:
                     self._fleet.note_save(save, token_ids)
+                if self._blender is not None:
+                    # The true K/V of the segments to store, out of vLLM's packed blocks (blend.py).
+                    with step.active(save.req_id):
+                        self._blender.stage_for_save(token_ids, save.block_ids, save.skip_prefix)
                 with self._engine_lock, step.active(save.req_id):
                     stored = self._engine.store(transfer).stored_tokens
                 step.annotate(save.req_id, {"flowkv.stored_tokens": stored})
