@@ -101,7 +101,7 @@ def test_flowkv_quality_measures_a_blend_pipeline_and_its_record_passes_the_enfo
 
     pipeline = tmp_path / "my-blend.toml"
     pipeline.write_text('extends = "blend"\n\n[pipeline]\nname = "my-blend"\n\n[blend]\nseparator = [3]\n'
-                        'recompute_ratio = 0.3\n\n[quality]\nmode = "enforce"\nmin_agreement = 0.5\n'
+                        'recompute_ratio = 0.3\n\n[quality]\nmode = "enforce"\nmin_agreement = 0.0\n'
                         'record = "my-blend-quality.json"\n', encoding="utf-8")
     with pytest.raises(PipelineError, match="no quality record at"):
         load_pipeline(pipeline)

@@ -178,18 +178,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def measure(model: Path, args: argparse.Namespace, *, ratios: list[float], configs: list[str],
-            blend_pipeline: str = "blend", separator: list[int] | None = None) -> dict[str, Any]:
+            blend_pipeline: str = "blend", separator: list[int] = SEPARATOR,
+            blend_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every configuration on the same workload; the figures as ``print_table`` and ``plot`` take them.
 
-    The blend runs use `blend_pipeline` (a name or a file) with `separator`
-    (None: the pipeline's own ``[blend] separator``, else ``SEPARATOR``
-    given as an override).
+    The blend runs use `blend_pipeline` (a name or a file) with
+    `blend_overrides` (default: ``blend.separator`` set to `separator`, which
+    closes every document of the workload).
     """
     config = json.loads((model / "config.json").read_text(encoding="utf-8"))
-    overrides = {} if separator is not None else {"blend.separator": SEPARATOR}
+    overrides = {"blend.separator": separator} if blend_overrides is None else blend_overrides
     work = Workload(vocab=config["vocab_size"], pool=args.pool, k=args.k, doc_tokens=args.doc_tokens,
                     system_tokens=args.system_tokens, question_tokens=args.question_tokens, prompts=args.prompts,
-                    repeats=args.repeats, seed=args.seed, separator=separator or SEPARATOR)
+                    repeats=args.repeats, seed=args.seed, separator=separator)
     longest = args.system_tokens + args.k * args.doc_tokens + args.question_tokens + args.max_tokens
     engine = dict(model=model, dtype=args.dtype, max_model_len=longest + 16, max_tokens=args.max_tokens)
     results: dict[str, Any] = {
@@ -234,7 +235,7 @@ def _runs(work: Workload, transfer: Any, ratios: list[float | None], *, model: P
               enforce_eager=True, kv_cache_memory_bytes=kv_bytes)
     try:
         for prompt in work.warmup if transfer is not None else ():
-            _generate(llm, prompt, 1, None, save=True)
+            _generate(llm, prompt, 1, None, save=True, connected=True)
         out: dict[float | None, dict[str, Any]] = {}
         for ratio in ratios:
             before = _blend_counters(llm) if transfer is not None else (0, 0)
@@ -244,9 +245,9 @@ def _runs(work: Workload, transfer: Any, ratios: list[float | None], *, model: P
             for group in work.prompts:
                 ttft.append([])
                 for prompt, _ in group:
-                    seconds, _output = _timed(llm, prompt, ratio)
+                    seconds = _timed(llm, prompt, ratio, connected=transfer is not None)
                     ttft[-1].append(seconds)
-                    output = _generate(llm, prompt, max_tokens, ratio, save=False)
+                    output = _generate(llm, prompt, max_tokens, ratio, save=False, connected=transfer is not None)
                     cached.append(int(output.num_cached_tokens or 0))
                     generations.append(output.outputs[0])
             after = _blend_counters(llm) if transfer is not None else (0, 0)
@@ -259,27 +260,31 @@ def _runs(work: Workload, transfer: Any, ratios: list[float | None], *, model: P
         shutdown(llm)
 
 
-def _sampling(max_tokens: int, ratio: float | None, save: bool) -> Any:
+def _sampling(max_tokens: int, ratio: float | None, save: bool, connected: bool) -> Any:
     from vllm import SamplingParams
 
-    transfer: dict[str, Any] = {} if save else {"flowkv.skip_save": True}
+    transfer: dict[str, Any] = {} if save or not connected else {"flowkv.skip_save": True}
     if ratio is not None:
         transfer["flowkv.blend.recompute_ratio"] = ratio
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=_LOGPROBS,
                           extra_args={"kv_transfer_params": transfer} if transfer else None)
 
 
-def _generate(llm: Any, prompt: list[int], max_tokens: int, ratio: float | None, *, save: bool) -> Any:
-    [output] = llm.generate([{"prompt_token_ids": prompt}], _sampling(max_tokens, ratio, save), use_tqdm=False)
+def _generate(llm: Any, prompt: list[int], max_tokens: int, ratio: float | None, *, save: bool,
+              connected: bool) -> Any:
+    """One greedy generation; a connected vLLM's request carries flowkv's settings (skip_save, the ratio)."""
+    sampling = _sampling(max_tokens, ratio, save, connected)
+    [output] = llm.generate([{"prompt_token_ids": prompt}], sampling, use_tqdm=False)
     return output
 
 
-def _timed(llm: Any, prompt: list[int], ratio: float | None) -> tuple[float, Any]:
+def _timed(llm: Any, prompt: list[int], ratio: float | None, *, connected: bool) -> float:
+    """Seconds to the first token: a one-token request."""
     import time
 
     started = time.perf_counter()
-    output = _generate(llm, prompt, 1, ratio, save=False)
-    return time.perf_counter() - started, output
+    _generate(llm, prompt, 1, ratio, save=False, connected=connected)
+    return time.perf_counter() - started
 
 
 def _blend_counters(llm: Any) -> tuple[int, int]:
