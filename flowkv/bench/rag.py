@@ -200,27 +200,32 @@ def measure(model: Path, args: argparse.Namespace, *, ratios: list[float], confi
                      "prompts": args.prompts, "repeats": args.repeats, "max_tokens": args.max_tokens},
         "configs": {},
     }
+
+    def add(name: str, figures: dict[str, Any]) -> None:
+        # Printed as soon as measured: a run stopped part-way (a timeout) keeps what it measured.
+        full = results["configs"].get(NO_CACHE, figures)["ttft_p50_s"]
+        results["configs"][name] = {**figures, "ttft_vs_full_prefill": figures["ttft_p50_s"] / full}
+        print(f"bench rag: {_row(name, results['configs'][name])}", file=sys.stderr, flush=True)
+
     print("bench rag: no cache...", file=sys.stderr)
     reference = _runs(work, None, [None], **engine)[None]
-    results["configs"][NO_CACHE] = _figures(reference, reference)
+    add(NO_CACHE, _figures(reference, reference))
     if PREFIX in configs:
         print("bench rag: flowkv prefix...", file=sys.stderr)
         runs = _runs(work, flowkv_config("local-cpu", lookup_timeout_ms=_LOOKUP_TIMEOUT_MS), [None], **engine)[None]
-        results["configs"][PREFIX] = _figures(runs, reference)
+        add(PREFIX, _figures(runs, reference))
     if "flowkv blend" in configs:
         print(f"bench rag: flowkv blend at {', '.join(map(str, ratios))}...", file=sys.stderr)
         blend = flowkv_config(blend_pipeline, **{**overrides, "lookup_timeout_ms": _LOOKUP_TIMEOUT_MS})
-        for ratio, runs in _runs(work, blend, ratios, **engine).items():
-            results["configs"][f"flowkv blend {ratio:g}"] = _figures(runs, reference)
-    full = results["configs"][NO_CACHE]["ttft_p50_s"]
-    for figures in results["configs"].values():
-        figures["ttft_vs_full_prefill"] = figures["ttft_p50_s"] / full
+        _runs(work, blend, ratios, **engine,
+              measured=lambda ratio, runs: add(f"flowkv blend {ratio:g}", _figures(runs, reference)))
     return results
 
 
 def _runs(work: Workload, transfer: Any, ratios: list[float | None], *, model: Path, dtype: str, max_model_len: int,
-          max_tokens: int) -> dict[float | None, dict[str, Any]]:
-    """One vLLM: the warm-up prompts, then every prompt at each ratio (None: the pipeline's own)."""
+          max_tokens: int, measured: Any = None) -> dict[float | None, dict[str, Any]]:
+    """One vLLM: the warm-up prompts, then every prompt at each ratio (None: the pipeline's own);
+    ``measured(ratio, runs)`` is called as each ratio is done."""
     import os
 
     from vllm import LLM
@@ -255,6 +260,8 @@ def _runs(work: Workload, transfer: Any, ratios: list[float | None], *, model: P
             reused, recomputed = ((a - b) / 2 for a, b in zip(after, before))
             out[ratio] = {"ttft_s": ttft, "cached": cached, "prompt_tokens": [len(p) for g in work.prompts for p, _ in g],
                           "generations": generations, "blend_reused": reused, "blend_recomputed": recomputed}
+            if measured is not None:
+                measured(ratio, out[ratio])
         return out
     finally:
         shutdown(llm)
@@ -328,14 +335,18 @@ def print_table(results: dict[str, Any]) -> None:
     print(f"{'config':<20} {'TTFT p50 ms':>11} {'p99 ms':>8} {'repeats ms':>13} {'vs full':>8} {'reused':>7} "
           f"{'recomp':>7} {'greedy':>7} {'top-1':>6} {'|dlp|':>7}")
     for name, f in results["configs"].items():
-        low, high = f["ttft_repeat_p50_s"]
-        print(f"{name:<20} {f['ttft_p50_s'] * 1e3:>11.1f} {f['ttft_p99_s'] * 1e3:>8.1f} "
-              f"{low * 1e3:>6.0f}-{high * 1e3:<6.0f} {f['ttft_vs_full_prefill']:>7.2f}x {f['reused_share']:>7.1%} "
-              f"{f['recomputed_share']:>7.1%} {f['greedy_agreement']:>7.1%} {f['first_token_agreement']:>6.0%} "
-              f"{f['mean_abs_dlogprob']:>7.3f}")
+        print(_row(name, f))
     print("(TTFT of a one-token request, over every prompt; repeats: min-max of the per-repeat medians; vs full: "
           "p50 / no cache's; reused: prompt tokens vLLM took from flowkv; recomp: reused tokens recomputed; "
           "greedy, top-1, |dlp|: against no cache's full prefill)")
+
+
+def _row(name: str, f: dict[str, Any]) -> str:
+    low, high = f["ttft_repeat_p50_s"]
+    return (f"{name:<20} {f['ttft_p50_s'] * 1e3:>11.1f} {f['ttft_p99_s'] * 1e3:>8.1f} "
+            f"{low * 1e3:>6.0f}-{high * 1e3:<6.0f} {f['ttft_vs_full_prefill']:>7.2f}x {f['reused_share']:>7.1%} "
+            f"{f['recomputed_share']:>7.1%} {f['greedy_agreement']:>7.1%} {f['first_token_agreement']:>6.0%} "
+            f"{f['mean_abs_dlogprob']:>7.3f}")
 
 
 def plot(results: dict[str, Any], path: str) -> None:
