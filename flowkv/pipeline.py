@@ -277,8 +277,11 @@ class _Loader:
             lists["lookup"] = tuple(head)
         self.check(section, telemetry, tiers, lists, raw)
         self.check_blend(blend, lists, raw)
-        if quality is not None and quality.min_agreement is not None and self.check_quality:
-            self.check_quality_gate(quality, lists["store"])
+        if quality is not None:
+            self.check_quality_mode(quality)
+        if (quality is not None and quality.min_agreement is not None and quality.mode == "enforce"
+                and self.check_quality):
+            self.check_quality_gate(quality, lists["store"], blend)
         if (section is None or layerwise is None or telemetry is None or vllm is None or quality is None
                 or controller is None or ("blend" in raw and blend is None)):
             return None
@@ -329,11 +332,21 @@ class _Loader:
             self.error(("blend", "check_layers"), "[blend] check_layers must be a non-empty list of distinct "
                        f"layer indices (ints >= 0), got {layers!r}", "invalid-value")
 
-    def check_quality_gate(self, quality: QualitySpec, store: tuple[StageSpec, ...]) -> None:
+    def check_quality_mode(self, quality: QualitySpec) -> None:
+        if quality.mode not in ("enforce", "warn"):
+            self.error(("quality", "mode"), "[quality] mode must be \"enforce\" (refuse to load a pipeline the "
+                       "record does not show good enough) or \"warn\" (load it; vLLM logs why at start), "
+                       f"got {quality.mode!r}", "invalid-value")
+        elif quality.mode == "warn" and quality.min_agreement is not None and not 0.0 <= quality.min_agreement <= 1.0:
+            self.error(("quality", "min_agreement"),
+                       f"[quality] min_agreement must be between 0 and 1, got {quality.min_agreement}", "quality")
+
+    def check_quality_gate(self, quality: QualitySpec, store: tuple[StageSpec, ...],
+                           blend: BlendSpec | None) -> None:
         from flowkv.quality_gate import check_gate
 
         for problem in check_gate(store, min_agreement=quality.min_agreement, record=quality.record,
-                                  source=self.file):
+                                  source=self.file, blend=blend):
             self.error(("quality", "min_agreement"), problem, "quality")
 
     def structure_table(self, raw: dict[str, Any], key: str, cls: type) -> Any:

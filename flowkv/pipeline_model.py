@@ -149,11 +149,16 @@ class QualitySpec:
     quality record at ``record`` (written by ``flowkv quality``; a path
     relative to the pipeline file) measured every lossy codec of the store
     list, with these parameters, at or above that greedy-token agreement.
-    Lossless-only pipelines pass without a record.
+    Lossless-only pipelines pass without a record. A ``[blend]`` pipeline is
+    gated too (CacheBlend's output is approximate): its record must measure
+    ``blend`` at the pipeline's ``recompute_ratio`` and ``check_layers``.
+    ``mode = "warn"`` turns each refusal into a warning vLLM logs at start
+    (the built-in ``blend`` ships so: no record of the model you serve exists).
     """
 
     min_agreement: float | None = None  # 0..1, e.g. 0.95
     record: str | None = None  # path to the quality record JSON
+    mode: str = "enforce"  # enforce: refuse to load; warn: load, and vLLM logs why at start
 
 
 @attrs.frozen(kw_only=True)

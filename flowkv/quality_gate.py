@@ -29,6 +29,8 @@ __all__ = [
     "check_served_model",
     "codec_settings",
     "describe_codec",
+    "blend_setting",
+    "gate_warnings",
     "load_record",
     "model_digest",
     "record_path",
@@ -77,6 +79,26 @@ def _encodings(specs: Sequence[Any]) -> list[tuple[str, dict[str, Any]]]:
             if entry not in found:
                 found.append(entry)
     return found
+
+
+def blend_setting(blend: Any) -> tuple[str, dict[str, Any]] | None:
+    """A ``[blend]`` table as a record names what it measured: ``("blend", {"check_layers": [1],
+    "recompute_ratio": 0.15})``; None for a pipeline that does not blend.
+
+    CacheBlend's output is approximate, as a lossy codec's is: the gate holds it to a record the same
+    way. The separator is not part of it (it chooses what is reused, not how).
+    """
+    if blend is None:
+        return None
+    return "blend", {"check_layers": list(blend.check_layers), "recompute_ratio": float(blend.recompute_ratio)}
+
+
+def _gated(store_stages: Sequence[Any], blend: Any) -> list[tuple[str, dict[str, Any]]]:
+    """What a record must measure: the store list's lossy codecs, then the blend (if any)."""
+    gated = _lossy_codecs(store_stages)
+    if (setting := blend_setting(blend)) is not None:
+        gated.append(setting)
+    return gated
 
 
 def _flowkv_codec(name: str) -> bool:
@@ -163,27 +185,30 @@ def check_gate(
     min_agreement: float,
     record: str | None,
     source: str,
+    blend: Any = None,
 ) -> list[str]:
     """Why a pipeline with these store stages fails ``[quality] min_agreement``; empty when it passes.
 
-    Only lossy codecs are gated. `source` is the pipeline file (or
+    Only lossy codecs and a ``[blend]`` table (`blend`, the pipeline's
+    ``BlendSpec`` or None) are gated. `source` is the pipeline file (or
     ``"<string>"``): `record` is found as ``record_path`` says.
     """
     if not 0.0 <= min_agreement <= 1.0:
         return [f"[quality] min_agreement must be between 0 and 1, got {min_agreement}"]
     try:
-        lossy = _lossy_codecs(store_stages)
+        lossy = _gated(store_stages, blend)
     except ValueError as exc:  # an unknown codec or parameter: nothing to look up in a record
         return [f"[quality] cannot gate this pipeline's codecs: {exc}"]
     if not lossy:
         return []
     names = ", ".join(describe_codec(c, p) for c, p in lossy)
     if record is None:
-        return [f"[quality] min_agreement needs a measurement of lossy codec(s) {names}: set "
-                f"record = \"PATH\" to a record written by 'flowkv quality PIPELINE --out PATH'"]
+        return [f"[quality] no quality record exists for this model of lossy setting(s) {names}: "
+                f"min_agreement needs one; set record = \"PATH\" to a record written by "
+                f"'flowkv quality PIPELINE --model MODEL --out PATH'"]
     path = record_path(record, source)
     if not path.exists():
-        return [f"[quality] no quality record at {path} for lossy codec(s) {names}: "
+        return [f"[quality] no quality record at {path} for lossy setting(s) {names}: "
                 f"write it with 'flowkv quality PIPELINE --out {path}'"]
     try:
         data = load_record(path)
@@ -220,7 +245,7 @@ def check_served_model(pipeline: Any, model: str) -> str | None:
     quality = pipeline.quality
     if quality.min_agreement is None or quality.record is None:
         return None
-    if not _lossy_codecs(pipeline.store):
+    if not _gated(pipeline.store, pipeline.blend):
         return None
     path = record_path(quality.record, pipeline.source)
     record = load_record(path)
@@ -235,3 +260,26 @@ def check_served_model(pipeline: Any, model: str) -> str | None:
         )
     return None
 
+
+
+def gate_warnings(pipeline: Any, model: str) -> list[str]:
+    """What vLLM logs at start about a pipeline's ``[quality]`` gate, serving `model`.
+
+    In ``mode = "enforce"`` the loader already refused a failing gate, so
+    only ``check_served_model``'s warning (or its ``ValueError``) remains.
+    In ``mode = "warn"`` every refusal is a warning instead, a record of
+    another model included: the pipeline loads, unmeasured or measured low.
+    """
+    quality = pipeline.quality
+    if quality.mode != "warn" or quality.min_agreement is None:
+        warning = check_served_model(pipeline, model)
+        return [] if warning is None else [warning]
+    problems = check_gate(pipeline.store, min_agreement=quality.min_agreement, record=quality.record,
+                          source=pipeline.source, blend=pipeline.blend)
+    if not problems:
+        try:
+            warning = check_served_model(pipeline, model)
+        except ValueError as exc:
+            warning = str(exc)
+        problems = [] if warning is None else [warning]
+    return [f"{p} (the [quality] gate is in warn mode; set mode = \"enforce\" to refuse instead)" for p in problems]

@@ -459,3 +459,84 @@ def test_record_path_is_taken_from_the_pipeline_files_folder(tmp_path, monkeypat
     assert record_path("~/q.json", str(tmp_path / "p.toml")) == Path.home() / "q.json"
     monkeypatch.chdir(tmp_path)
     assert record_path("q.json", "<string>") == tmp_path / "q.json"
+
+
+# -- CacheBlend is gated like a lossy codec ------------------------------------------------
+
+BLEND = {"blend.separator": [271]}
+BLEND_DEFAULT = ("blend", {"check_layers": [1], "recompute_ratio": 0.15})
+
+
+def blend_record(tmp_path: Path, entries: list[tuple[str, dict, float]], measured: Path | None = None) -> str:
+    from flowkv.quality_gate import model_digest
+
+    rec = record(entries, model=str(measured or "tiny"))
+    if measured is not None:
+        rec["model_config_sha256"] = model_digest(measured)
+    path = tmp_path / "blend-quality.json"
+    path.write_text(json.dumps(rec), encoding="utf-8")
+    return str(path)
+
+
+@pytest.mark.parametrize("name", ["blend", "blend-disk"])
+def test_the_shipped_blend_pipelines_load_with_the_gate_warning_that_no_record_exists(name):
+    from flowkv.quality_gate import blend_setting, gate_warnings
+
+    pipeline = load_pipeline(name, overrides=BLEND)
+    assert (pipeline.quality.mode, pipeline.quality.min_agreement, pipeline.quality.record) == ("warn", 0.9, None)
+    assert blend_setting(pipeline.blend) == BLEND_DEFAULT
+    [warning] = gate_warnings(pipeline, "/models/any")
+    assert "no quality record exists for this model" in warning and "'flowkv quality" in warning
+    assert 'blend {"check_layers": [1], "recompute_ratio": 0.15}' in warning and "warn mode" in warning
+    # A pipeline that does not blend and has no lossy codec is not gated at all.
+    assert gate_warnings(load_pipeline("local-cpu", overrides={"quality.min_agreement": 0.9,
+                                                                "quality.mode": "warn"}), "/models/any") == []
+
+
+def test_a_blend_pipeline_set_to_enforce_loads_only_with_a_record_of_its_ratio(tmp_path):
+    enforce = {**BLEND, "quality.mode": "enforce"}
+    with pytest.raises(PipelineError) as caught:
+        load_pipeline("blend", overrides=enforce)
+    [diag] = caught.value.diagnostics
+    assert diag.kind == "quality" and "no quality record exists for this model" in diag.message
+
+    rec = blend_record(tmp_path, [("blend", {"check_layers": [1], "recompute_ratio": 0.15}, 0.93),
+                                  ("blend", {"check_layers": [1], "recompute_ratio": 0.3}, 0.97)])
+    assert load_pipeline("blend", overrides={**enforce, "quality.record": rec}).quality.mode == "enforce"
+    # The ratio the pipeline runs at is the one looked up: another ratio, other check layers or too low an
+    # agreement is refused.
+    assert load_pipeline("blend", overrides={**enforce, "quality.record": rec, "blend.recompute_ratio": 0.3})
+    with pytest.raises(PipelineError, match=r'no measurement of blend \{"check_layers": \[1\], "recompute_ratio": 0.05\}'):
+        load_pipeline("blend", overrides={**enforce, "quality.record": rec, "blend.recompute_ratio": 0.05})
+    with pytest.raises(PipelineError, match=r"no measurement of blend .*check_layers.*\[2\]"):
+        load_pipeline("blend", overrides={**enforce, "quality.record": rec, "blend.check_layers": [2]})
+    with pytest.raises(PipelineError, match=r"agreed with the uncompressed model on 93.0% .* below min_agreement 95.0%"):
+        load_pipeline("blend", overrides={**enforce, "quality.record": rec, "quality.min_agreement": 0.95})
+
+
+def test_warn_mode_loads_what_enforce_refuses_and_vllm_logs_each_reason(tmp_path):
+    from flowkv.quality_gate import gate_warnings
+
+    measured = model_folder(tmp_path / "measured", 64)
+    other = model_folder(tmp_path / "other", 128)
+    rec = blend_record(tmp_path, [("blend", BLEND_DEFAULT[1], 0.85)], measured)
+    low = load_pipeline("blend", overrides={**BLEND, "quality.record": rec})
+    [warning] = gate_warnings(low, str(measured))
+    assert "85.0%" in warning and "below min_agreement 90.0%" in warning and 'mode = "enforce"' in warning
+    fine = load_pipeline("blend", overrides={**BLEND, "quality.record": rec, "quality.min_agreement": 0.8})
+    assert gate_warnings(fine, str(measured)) == []
+    # A record of another model: enforce mode refuses to start, warn mode says so.
+    [warning] = gate_warnings(fine, str(other))
+    assert "measured model" in warning and "other" in warning
+    with pytest.raises(ValueError, match="measured model"):
+        gate_warnings(load_pipeline("blend", overrides={**BLEND, "quality.record": rec, "quality.min_agreement": 0.8,
+                                                        "quality.mode": "enforce"}), str(other))
+
+
+def test_quality_mode_is_enforce_or_warn(tmp_path):
+    path = write(tmp_path, pipeline_text(quality={**GATE, "mode": "loud"}), record([("int8", INT8_PARAMS, 0.9)]))
+    with pytest.raises(PipelineError) as caught:
+        load_pipeline(path)
+    [diag] = caught.value.diagnostics
+    assert path.read_text().splitlines()[diag.line - 1].startswith("mode") and "'loud'" in diag.message
+    assert load_pipeline(path, overrides={"quality.mode": "warn"}).quality.mode == "warn"

@@ -41,13 +41,18 @@ QUESTIONS = [random_tokens(250 + i, 40) for i in range(4)]
 FIRST = SYSTEM + DOCS[0] + DOCS[1] + DOCS[2] + QUESTIONS[0]
 REORDERED = SYSTEM + DOCS[2] + DOCS[0] + DOCS[1] + QUESTIONS[1]
 ONE_DOC = SYSTEM + DOCS[1] + QUESTIONS[2]
+# A document no request stored sits between two that are: the blend ends where it begins.
+NEW_DOC = random_tokens(245, 298) + SEPARATOR
+WITH_NEW = SYSTEM + DOCS[1] + NEW_DOC + DOCS[0] + QUESTIONS[3]
 MAX_TOKENS = 8
 # fp32: a chosen token's logprob moves by float rounding only; ties closer than this may flip.
 TIE = 1e-3
 
 
 # The blend pipeline, plus a stage that removes one chunk between lookup and load for requests
-# tagged test_evict_chunk (vllm_helpers.evict_chunk); untagged requests pass untouched.
+# tagged test_evict_chunk (vllm_helpers.evict_chunk) and one that flips a byte of a chunk's payload
+# between get and decompress for requests tagged test_corrupt_chunk (blend_faults.corrupt_chunk);
+# untagged requests pass untouched.
 EVICTING_BLEND = """
 extends = "blend"
 
@@ -55,13 +60,20 @@ extends = "blend"
 name = "blend-evict-test"
 
 [retrieve]
-replace = ["lookup"]
+replace = ["lookup", "get"]
 
 [[retrieve.stages]]
 use = "lookup"
 
 [[retrieve.stages]]
 use = "vllm_helpers:evict_chunk"
+
+[[retrieve.stages]]
+use = "get"
+promote = true
+
+[[retrieve.stages]]
+use = "blend_faults:corrupt_chunk"
 
 [telemetry]
 exporter = "file"
@@ -125,7 +137,7 @@ def reference() -> dict[tuple[int, ...], tuple]:
         else:
             os.environ["VLLM_PLUGINS"] = saved
     try:
-        return {tuple(prompt): run(llm, prompt) for prompt in (FIRST, REORDERED, ONE_DOC)}
+        return {tuple(prompt): run(llm, prompt) for prompt in (FIRST, REORDERED, ONE_DOC, WITH_NEW)}
     finally:
         shutdown_llm(llm)
 
@@ -161,7 +173,7 @@ def counters(llm) -> dict[str, int]:
     numbers = worker_stats(llm.llm_engine.vllm_config)
     return {name: int(numbers.get(name, 0))
             for name in ("blend_reused_tokens", "blend_recomputed_tokens", "stores", "retrieve_short",
-                         "stored_tokens")}
+                         "stored_tokens", "corrupt_payloads")}
 
 
 def assert_same_greedy_up_to_ties(got, want, what: str) -> None:
@@ -291,3 +303,44 @@ def test_two_blends_in_one_batch_each_reproduce_their_full_prefill(blend_llm, re
     assert counters(blend_llm)["blend_reused_tokens"] - before["blend_reused_tokens"] == sum(loaded)
     for prompt, result in zip((REORDERED, ONE_DOC), results):
         assert_same_greedy_up_to_ties(result, reference[tuple(prompt)], f"batched, {len(prompt)} tokens")
+
+
+def test_a_corrupt_document_payload_is_never_loaded_and_the_blend_ends_at_the_block_before_it(
+        blend_llm, reference) -> None:
+    from blend_faults import CORRUPT_TAG
+
+    tags = {CORRUPT_TAG: "3"}  # chunk 3 of the reordered prompt: the first piece of D1
+    assert run(blend_llm, FIRST, tags=tags)[1] == 0  # the documents, stored under this tag
+    before = counters(blend_llm)
+    corrupted = run(blend_llm, REORDERED, ratio=1.0, tags=tags)
+    after = counters(blend_llm)
+    # decompress refused the payload (checksum), counted it and dropped it from the tier: the load is
+    # short at D1, so only S and D3's whole blocks are blended and vLLM computes from the block holding
+    # D1's start (num_cached_tokens keeps what vLLM accepted at lookup).
+    kept = (len(SYSTEM) + len(DOCS[2])) // BLOCK_SIZE * BLOCK_SIZE
+    assert (after["corrupt_payloads"] - before["corrupt_payloads"],
+            after["retrieve_short"] - before["retrieve_short"]) == (1, 1)
+    assert (after["blend_reused_tokens"] - before["blend_reused_tokens"],
+            after["blend_recomputed_tokens"] - before["blend_recomputed_tokens"]) == (kept, kept - len(SYSTEM))
+    assert_same_greedy_up_to_ties(corrupted, reference[tuple(REORDERED)], "ratio 1.0, D1 corrupt")
+    # The dropped piece (D1's first 256 tokens), computed by vLLM, was stored again.
+    assert after["stored_tokens"] - before["stored_tokens"] == 256
+
+
+def test_a_document_never_stored_ends_the_blend_and_is_stored_for_the_next_request(blend_llm, reference) -> None:
+    before = counters(blend_llm)
+    first = run(blend_llm, WITH_NEW, ratio=1.0)
+    after = counters(blend_llm)
+    # S and D2 are found; NEW_DOC is not, so D1 after it is not loaded either (vLLM computes from the
+    # block holding NEW_DOC's start).
+    kept = (len(SYSTEM) + len(DOCS[1])) // BLOCK_SIZE * BLOCK_SIZE
+    assert first[1] == kept
+    assert (after["blend_reused_tokens"] - before["blend_reused_tokens"],
+            after["blend_recomputed_tokens"] - before["blend_recomputed_tokens"]) == (kept, kept - len(SYSTEM))
+    assert_same_greedy_up_to_ties(first, reference[tuple(WITH_NEW)], "ratio 1.0, a document missing")
+    # The request stored NEW_DOC (a closed document vLLM computed); asked again, every document is found.
+    assert after["stored_tokens"] - before["stored_tokens"] >= len(NEW_DOC) - BLOCK_SIZE
+    again = run(blend_llm, WITH_NEW, ratio=1.0)
+    documents = len(WITH_NEW) - len(QUESTIONS[3])
+    assert again[1] == documents // BLOCK_SIZE * BLOCK_SIZE > kept
+    assert_same_greedy_up_to_ties(again, reference[tuple(WITH_NEW)], "ratio 1.0, every document found")

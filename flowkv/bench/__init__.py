@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("flowkv.bench.serve", "vllm serve under concurrent clients: requests/s, TTFT, ITL with and without flowkv"),
     "mix": ("flowkv.bench.mix", "vllm serve: memory-hit TTFT alone and beside disk hits, async loads on and off"),
     "tenants": ("flowkv.bench.tenants", "two tenants, one cache: B's hit rate under A's flood, with and without quotas"),
+    "rag": ("flowkv.bench.rag", "RAG prompts, documents in any order: no cache, prefix keys, CacheBlend by ratio"),
     "route": ("flowkv.bench.route", "two vLLM servers: round-robin against flowkv route (hit rate, TTFT, req/s)"),
 }
 

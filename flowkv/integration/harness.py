@@ -26,10 +26,12 @@ __all__ = [
     "DEMO_MODEL",
     "QUESTIONS",
     "build_llm",
+    "compare_generation",
     "default_model_dir",
     "documents",
     "flowkv_config",
     "kv_bytes_per_token",
+    "reference_margin",
     "setup_environment",
     "shutdown",
     "time_to_first_token",
@@ -146,3 +148,31 @@ def shutdown(llm: Any) -> None:
     gc.unfreeze()
     cleanup_dist_env_and_memory()
     gc.collect()
+
+
+def compare_generation(reference: Any, candidate: Any) -> dict[str, Any]:
+    """Agreement and log-probability differences of one prompt's generation against the reference."""
+    ref_tokens = list(reference.token_ids)
+    new_tokens = list(candidate.token_ids)
+    equal = sum(a == b for a, b in zip(ref_tokens, new_tokens))
+    diffs = []
+    for position, token in enumerate(ref_tokens):
+        ref_lp = reference.logprobs[position].get(token)
+        new_lp = candidate.logprobs[position].get(token) if position < len(candidate.logprobs) else None
+        if ref_lp is not None and new_lp is not None:
+            diffs.append(abs(ref_lp.logprob - new_lp.logprob))
+        if position >= len(new_tokens) or new_tokens[position] != token:
+            break  # past here the two generations have different contexts
+    first_diff = next((i for i, (a, b) in enumerate(zip(ref_tokens, new_tokens)) if a != b), None)
+    return {"equal": equal, "total": len(ref_tokens), "logprob_diffs": diffs, "first_difference": first_diff,
+            "flip_margin": None if first_diff is None else reference_margin(reference.logprobs[first_diff])}
+
+
+def reference_margin(logprobs: Any) -> float | None:
+    """How far the reference's top token was ahead of its runner-up (nats) at one position.
+
+    A lossy codec that changes a greedy token at a position whose margin is
+    below its own ``max |dlogprob|`` flipped a near-tie, as any rounding can.
+    """
+    top = sorted((lp.logprob for lp in logprobs.values()), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else None

@@ -29,7 +29,7 @@ from flowkv.integration.vllm.blend import refuse_unblendable
 from flowkv.integration.vllm.settings import ConnectorSettings, whole_block_chunk_size
 from flowkv.integration.vllm.worker import ConnectorWorker
 from flowkv.pipeline import load_pipeline
-from flowkv.quality_gate import check_served_model
+from flowkv.quality_gate import gate_warnings
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -76,8 +76,9 @@ class FlowKVConnector(KVConnectorBase_V1):
                                pipeline.chunk_size, block_size, chunk_size)
             settings = replace(settings, overrides={**settings.overrides, "chunk_size": chunk_size})
             pipeline = load_pipeline(settings.pipeline, overrides=settings.overrides)
-        # A [quality] gate holds only for the model its record measured.
-        if (warning := check_served_model(pipeline, vllm_config.model_config.model)) is not None:
+        # A [quality] gate holds only for the model its record measured; in warn mode (the built-in
+        # blend) every refusal is logged here instead of stopping the load.
+        for warning in gate_warnings(pipeline, vllm_config.model_config.model):
             logger.warning("flowkv: %s", warning)
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
