@@ -62,7 +62,8 @@ def test_percentile_is_nearest_rank():
 
 
 @pytest.mark.vllm
-def test_a_tiny_run_reuses_documents_in_any_order_and_ratio_1_matches_the_full_prefill(tmp_path, capsys):
+def test_a_tiny_run_reuses_documents_in_any_order_and_ratio_1_matches_the_full_prefill(tmp_path, capsys,
+                                                                                        engines_in_this_process):
     plot = tmp_path / "rag.png"
     args = parse("--model", str(tiny_model_dir()), "--dtype", "float32", "--pool", "3", "--k", "2",
                  "--doc-tokens", "256", "--system-tokens", "128", "--question-tokens", "16", "--prompts", "2",
@@ -95,7 +96,8 @@ def test_a_tiny_run_reuses_documents_in_any_order_and_ratio_1_matches_the_full_p
 
 
 @pytest.mark.vllm
-def test_flowkv_quality_measures_a_blend_pipeline_and_its_record_passes_the_enforced_gate(tmp_path, capsys):
+def test_flowkv_quality_measures_a_blend_pipeline_and_its_record_passes_the_enforced_gate(tmp_path, capsys,
+                                                                                           engines_in_this_process):
     from flowkv.cli import main
     from flowkv.pipeline import PipelineError, load_pipeline
 

@@ -39,7 +39,12 @@ GEOMETRY = KVGeometry("cpu", num_layers=2, num_kv_heads=2, head_size=16, block_s
 SRC = make_paged_kv(GEOMETRY, NUM_BLOCKS, seed=1)
 SLOTS = random_slot_mapping(NUM_BLOCKS * BLOCK, GEOMETRY, NUM_BLOCKS, seed=2)
 
-init_none_hash(sha256_cbor)  # what vLLM's engine core does before its first request
+@pytest.fixture(autouse=True)
+def vllms_root_hash():
+    """What vLLM's engine core does before its first request: its root hash from sha256_cbor. Set for
+    each test, not once at import: an engine an earlier test ran in this process set it from its own
+    hash algorithm (the process-wide ``NONE_HASH``)."""
+    init_none_hash(sha256_cbor)
 
 
 class CountingClient:
