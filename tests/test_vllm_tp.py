@@ -19,7 +19,7 @@ import vllm  # noqa: F401 - a broken vLLM install fails these tests; it never sk
 
 from rank_stages import RANK_GAP_TAG
 from vllm_helpers import CHUNK_SIZE, random_tokens
-from vllm_server import VllmServer
+from vllm_server import VllmServer, start_server
 
 from flowkv.pipeline import dumps_pipeline
 
@@ -35,13 +35,8 @@ def tp_server(folder: Path, kv_extra: dict | None = None) -> VllmServer:
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1",
            # the workers import the pipeline's test stage
            "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-    instance = VllmServer(folder, kv_extra=kv_extra, compiled=False, dtype="float32", env=env,
-                          args=["--tensor-parallel-size", "2"])
-    try:
-        return instance.start()
-    except BaseException:
-        instance.close()
-        raise
+    return start_server(folder, kv_extra=kv_extra, compiled=False, dtype="float32", env=env,
+                        args=["--tensor-parallel-size", "2"])
 
 
 @pytest.fixture(scope="module")
