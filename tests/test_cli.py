@@ -142,7 +142,7 @@ def test_show_json(capsys):
     assert info["store"][1]["stage"].startswith("flowkv.stages.basic.take (")
     assert info["telemetry"]["exporter"] == "none" and info["telemetry"]["sampling"] == 1.0
     assert info["vllm"] == {"save_decode": False, "lookup_timeout_ms": 200, "remote_prefill_wait_ms": 10_000}
-    assert info["quality"] == {"min_agreement": None, "record": None}
+    assert info["quality"] == {"min_agreement": None, "record": None, "mode": "enforce"}
 
 
 def test_show_builtin_json_through_the_module_entry_point():

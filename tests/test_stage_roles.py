@@ -85,7 +85,7 @@ def test_a_third_party_lossy_codec_under_another_name_is_held_to_the_quality_gat
 def test_a_lossy_stage_of_any_role_is_gated_and_a_lossless_pipeline_is_not(tmp_path):
     path = tmp_path / "smooth.toml"
     path.write_text(pipeline_text(f"{__name__}:smooth_kv", quality={"min_agreement": 0.9, "record": "q.json"}))
-    with pytest.raises(PipelineError, match=r"no quality record at .*q\.json for lossy codec\(s\) smooth-kv"):
+    with pytest.raises(PipelineError, match=r"no quality record at .*q\.json for lossy setting\(s\) smooth-kv"):
         load_pipeline(path)
     path.write_text(pipeline_text(f"{__name__}:halve_precision", "pass-through",
                                   quality={"min_agreement": 0.9, "record": "q.json"}).replace(
