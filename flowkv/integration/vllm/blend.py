@@ -42,15 +42,15 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from opentelemetry import trace
 
 from flowkv.integration.vllm.cpu_packing import packed_layout, write_tokens
-from flowkv.integration.vllm.metadata import ceil_to
+from flowkv.integration.vllm.metadata import ceil_to, slot_mapping
 from flowkv.integration.vllm.models import BLENDABLE_ARCHITECTURES, loaded_model
 from flowkv.integration.vllm.rope import rerotate_with
 from flowkv.kernels import KVGeometry
@@ -165,8 +165,9 @@ class Blender:
         self._blend = blend
         self._model = model
         self._block_size = block_size
-        #: the engine's tracer, set once the engine exists (spans per blend step)
-        self.tracer: Any = None
+        #: the tracer of the blend steps' spans: the engine's, set once the engine exists (it is
+        #: built on this staging cache); OpenTelemetry's no-op tracer until then
+        self.tracer: Any = trace.NoOpTracer()
         first = next(iter(kv_caches.values()))
         self._layout = packed_layout(first.dtype, block_size=block_size, head_size=head_size)
         num_blocks = ceil_to(vllm_config.model_config.max_model_len, block_size) // block_size
@@ -200,7 +201,7 @@ class Blender:
             start = chunk_end
         if start >= end:
             return
-        slots = self._slots(block_ids, start, end)
+        slots = slot_mapping(block_ids, self._block_size, start, end - start, start, end)
         with torch.inference_mode(), self._span("flowkv.blend.stage", {"flowkv.tokens": end - start}):
             for layer in self._layers:
                 keys, values = self._layout.read_tokens(layer.kv_cache, slots)
@@ -239,7 +240,7 @@ class Blender:
         with self._span("flowkv.blend.write", {"flowkv.tokens": end - start,
                                                "flowkv.blend.reused_tokens": counts.reused,
                                                "flowkv.blend.recomputed_tokens": counts.recomputed}):
-            slots = self._slots(block_ids, start, end)
+            slots = slot_mapping(block_ids, self._block_size, start, end - start, start, end)
             for layer, layer_keys, layer_values in zip(self._layers, keys, values):
                 write_tokens(self._layout, layer.kv_cache, slots, layer_keys, layer_values)
         return counts
@@ -261,7 +262,7 @@ class Blender:
         ``[start, end)``), layer by layer; the number of tokens selected at the check layer."""
         model = self._model
         check_layer = min(min(self._blend.check_layers), len(self._layers) - 1)
-        prefix_slots = self._slots(block_ids, 0, start) if start > 0 else None
+        prefix_slots = slot_mapping(block_ids, self._block_size, 0, start, 0, start) if start > 0 else None
         ids = torch.tensor(list(token_ids[reuse_from:end]), dtype=torch.int64)
         positions = torch.arange(reuse_from, end, dtype=torch.int64)
         rows = positions - start  # rows of the reused tokens in keys / values
@@ -286,8 +287,7 @@ class Blender:
                 with self._span("flowkv.blend.select", {"flowkv.recompute_ratio": ratio}) as span:
                     keep = max(1, math.ceil(ratio * len(rows)))
                     selected = torch.sort(torch.topk(deviation, keep).indices).values
-                    if span is not None:
-                        span.set_attribute("flowkv.selected_tokens", int(keep))
+                    span.set_attribute("flowkv.selected_tokens", int(keep))
                     # From here on only the selected tokens go on.
                     q, k, v = q[selected], k[selected], v[selected]
                     rows, positions, residual = rows[selected], positions[selected], residual[selected]
@@ -317,15 +317,5 @@ class Blender:
         """The staging cache's K (0) or V (1) of positions ``[start, end)``, ``(tokens, heads, head_size)``."""
         return layer.staging[kind].view(-1, self._num_kv_heads, self._head_size)[start:end]
 
-    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
-        positions = torch.arange(start, end, dtype=torch.int64)
-        blocks = torch.as_tensor(block_ids, dtype=torch.int64)
-        return blocks[positions // self._block_size] * self._block_size + positions % self._block_size
-
-    @contextmanager
-    def _span(self, name: str, attributes: dict[str, Any]) -> Iterator[Any]:
-        if self.tracer is None:
-            yield None
-            return
-        with self.tracer.start_as_current_span(name, attributes=attributes) as span:
-            yield span
+    def _span(self, name: str, attributes: dict[str, Any]) -> Any:
+        return self.tracer.start_as_current_span(name, attributes=attributes)
