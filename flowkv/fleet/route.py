@@ -48,6 +48,7 @@ import json
 import logging
 import ssl
 import time
+from collections.abc import Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -105,7 +106,7 @@ class Router:
         self.affinity_s = affinity_s
         # opening of a prompt -> (backend, monotonic time) of the last request this router sent with it
         self._recent: collections.OrderedDict[int, tuple[str, float]] = collections.OrderedDict()
-        self._turn = itertools.cycle(range(len(self.backends)))
+        self._turn = itertools.count()
         self.tokenizers = Tokenizers()
         self.decisions: collections.Counter[str] = collections.Counter()
         self.served: collections.Counter[str] = collections.Counter()
@@ -128,19 +129,12 @@ class Router:
     # -- choosing -------------------------------------------------------------------
 
     def _least_loaded(self, among: list[str] | None = None) -> str:
-        among = among or self.backends
-        fewest = min(self.in_flight[url] for url in among)
-        # Round-robin among the least loaded, so equal backends share the work.
-        for _ in range(len(self.backends)):
-            candidate = self.backends[next(self._turn)]
-            if candidate in among and self.in_flight[candidate] == fewest:
-                return candidate
-        return among[0]
+        return _least_loaded(self.in_flight, among or self.backends, self._turn)
 
     async def choose(self, body: dict[str, Any], chat: bool) -> tuple[str, str, int]:
         """(backend, why, matched tokens) for a request body."""
         if self.policy == "round-robin":
-            return self.backends[next(self._turn)], "round-robin", 0
+            return self.backends[next(self._turn) % len(self.backends)], "round-robin", 0
         try:
             token_ids = await asyncio.to_thread(self._token_ids, body, chat)
             holders = await self._lookup(token_ids, body.get("model"))
@@ -216,11 +210,7 @@ class Router:
         """The least loaded prefill instance not passed over, round-robin among equals (None: none up)."""
         now = time.monotonic()
         up = [url for url in self.prefill if self._prefill_down.get(url, 0.0) <= now]
-        if not up:
-            return None
-        fewest = min(self.prefill[url] for url in up)
-        least = [url for url in up if self.prefill[url] == fewest]
-        return least[next(self._prefill_turn) % len(least)]
+        return _least_loaded(self.prefill, up, self._prefill_turn) if up else None
 
     async def prefill_for(self, body: dict[str, Any], path: str, headers: dict[str, str]) -> tuple[str, Any]:
         """Run a request's prefill on a prefill instance: (instance or "none", the ``kv_transfer_params`` its
@@ -333,6 +323,14 @@ class Router:
         finally:
             if not handed_over:
                 await release()
+
+
+def _least_loaded(load: dict[str, int], among: list[str], turn: Iterator[int]) -> str:
+    """The URL of ``among`` with the fewest requests in flight (``load``); round-robin among the least
+    loaded (``turn`` counts the picks), so equal instances share the work."""
+    fewest = min(load[url] for url in among)
+    least = [url for url in among if load[url] == fewest]
+    return least[next(turn) % len(least)]
 
 
 def _params(body: dict[str, Any]) -> dict[str, Any]:
