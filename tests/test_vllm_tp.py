@@ -10,6 +10,7 @@ scheduler's hit is the minimum over the ranks' answers.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import vllm  # noqa: F401 - a broken vLLM install fails these tests; it never sk
 
 from rank_stages import RANK_GAP_TAG
 from vllm_helpers import CHUNK_SIZE, random_tokens
-from vllm_server import VllmServer, start_server
+from vllm_server import README, VllmServer, shell_commands, start_server
 
 from flowkv.pipeline import dumps_pipeline
 
@@ -31,12 +32,36 @@ QUESTIONS = [random_tokens(8100 + i, 40) for i in range(3)]
 MAX_TOKENS = 12
 
 
+def readme_tp_line() -> tuple[dict[str, str], list[str], dict | None]:
+    """The README's "Tensor parallel" command as a user types it: the variables its ``export`` line
+    sets, the ``vllm serve`` flags but the model and the transfer config, and that config."""
+    commands = shell_commands(README.read_text(encoding="utf-8"))
+    for at, (_, argv) in enumerate(commands):
+        if argv[:2] == ["vllm", "serve"] and "--tensor-parallel-size" in argv:
+            break
+    else:
+        raise LookupError("README.md has no vllm serve line with --tensor-parallel-size")
+    exported = commands[at - 1][1] if at and commands[at - 1][1][0] == "export" else []
+    env = dict(assignment.split("=", 1) for assignment in exported[1:])
+    flags, transfer = [], None
+    rest = iter(argv[3:])  # past "vllm serve MODEL"
+    for flag in rest:
+        value = next(rest)
+        if flag == "--kv-transfer-config":
+            transfer = json.loads(value)
+        else:
+            flags += [flag, value]
+    return env, flags, transfer
+
+
 def tp_server(folder: Path, kv_extra: dict | None = None) -> VllmServer:
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1",
-           # the workers import the pipeline's test stage
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-    return start_server(folder, kv_extra=kv_extra, compiled=False, dtype="float32", env=env,
-                        args=["--tensor-parallel-size", "2"])
+    """The README's tensor-parallel line (its environment, flags and transfer config; ``kv_extra`` over
+    that config), or without ``kv_extra`` the same server unconnected."""
+    env, flags, transfer = readme_tp_line()
+    # the workers import the pipeline's test stage
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+    return start_server(folder, kv_extra=kv_extra, transfer=transfer, compiled=False, dtype="float32", env=env,
+                        args=flags)
 
 
 @pytest.fixture(scope="module")

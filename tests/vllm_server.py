@@ -12,8 +12,8 @@ server per test module (a start costs 25-70 s on two cores); import them::
     def test_something(flowkv_server):
         reply = flowkv_server.complete(token_ids, max_tokens=8)
 
-``start_server(folder, kv_extra={...}, args=[...], env={...})`` starts one
-with other settings (another pipeline, vLLM flags, environment); the caller
+``start_server(folder, kv_extra={...}, args=[...], env={...}, transfer=README_CONFIG)`` starts one
+with other settings (another pipeline, another README line's transfer config, vLLM flags, environment); the caller
 stops it (``close()``). Servers run eager and in float32 (as the tests' ``vllm.LLM`` engines do, see
 ``vllm_helpers.DTYPE``); ``compiled=True`` runs vLLM's compiled default (the main fixtures below).
 """
@@ -106,11 +106,18 @@ def readme_transfer_config(line: int | None = None) -> dict[str, Any]:
     raise LookupError(f"no vllm serve command at README.md:{line}")
 
 
-def flowkv_transfer_config(**extra: Any) -> dict[str, Any]:
-    """The README's first --kv-transfer-config (its quick start), with ``extra`` in kv_connector_extra_config."""
-    config = readme_transfer_config()
+def flowkv_transfer_config(base: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """A README --kv-transfer-config (``base``; by default the first, its quick start), with ``extra``
+    in kv_connector_extra_config (over the README's own settings)."""
+    config = json.loads(json.dumps(base)) if base is not None else readme_transfer_config()
     config["kv_connector_extra_config"].update(extra)
     return config
+
+
+def readme_transfer_configs() -> list[dict[str, Any]]:
+    """Every ``--kv-transfer-config`` of the README's ``vllm serve`` lines, parsed, in order."""
+    return [json.loads(argv[argv.index("--kv-transfer-config") + 1]) for _, argv in readme_serve_commands()
+            if "--kv-transfer-config" in argv]
 
 
 class VllmServer:
@@ -118,7 +125,7 @@ class VllmServer:
 
     def __init__(self, folder: Path, *, kv_extra: dict[str, Any] | None = None, args: Sequence[str] = (),
                  kv_cache_blocks: int = 512, env: dict[str, str] | None = None, compiled: bool = False,
-                 dtype: str = DTYPE) -> None:
+                 dtype: str = DTYPE, transfer: dict[str, Any] | None = None) -> None:
         self.folder = folder
         self.env = env or {}
         self.compiled = compiled
@@ -133,7 +140,8 @@ class VllmServer:
             "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", dtype, "--block-size", str(BLOCK_SIZE), "--max-model-len", "4096",
             "--no-enable-prefix-caching", "--seed", "0",
-            "--kv-cache-memory-bytes", str(kv_cache_blocks * KV_BYTES_PER_BLOCK * DTYPE_BYTES[dtype] // DTYPE_BYTES[DTYPE]),
+            "--kv-cache-memory-bytes",
+            str(kv_cache_blocks * KV_BYTES_PER_BLOCK * DTYPE_BYTES[dtype] // DTYPE_BYTES[DTYPE]),
             "--enable-prompt-tokens-details",
         ]
         if not compiled:
@@ -141,7 +149,7 @@ class VllmServer:
             # its greedy tokens change with the batch a request lands in (near-ties flip): hence float32.
             command.append("--enforce-eager")
         if kv_extra is not None:
-            config = flowkv_transfer_config(ipc_dir=str(self.ipc_dir),
+            config = flowkv_transfer_config(transfer, ipc_dir=str(self.ipc_dir),
                                             **{"lookup_timeout_ms": LOOKUP_TIMEOUT_MS, **kv_extra})
             command += ["--kv-transfer-config", json.dumps(config)]
         self.command = command + list(args)
