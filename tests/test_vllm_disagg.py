@@ -28,11 +28,13 @@ to ``flowkv route --prefill P --decode D``. In order:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import threading
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -43,7 +45,8 @@ import vllm  # noqa: F401 - a broken vLLM install fails these tests; it never sk
 from node_servers import node_servers, wait_for  # noqa: F401 - pytest fixture
 from redis_servers import redis_server  # noqa: F401 - pytest fixture
 from vllm_helpers import BLOCK_SIZE, random_tokens
-from vllm_server import MODEL_NAME, VllmServer, _join_stream, _sse_events, metric_value, readme_serve_commands
+from vllm_server import (MODEL_NAME, VllmServer, _join_stream, _sse_events, metric_value,
+                         readme_transfer_configs, start_server)
 
 from flowkv.integration.vllm.disagg import prefill_answer
 
@@ -60,9 +63,7 @@ WORDS = "the cache keeps what a model computed for a prompt and hands it back wh
 
 def readme_role_config(role: str) -> dict:
     """The --kv-transfer-config of the README's ``vllm serve`` line in ``role`` ("Disaggregated prefill")."""
-    configs = [json.loads(argv[argv.index("--kv-transfer-config") + 1]) for _, argv in readme_serve_commands()
-               if "--kv-transfer-config" in argv]
-    [config] = [config for config in configs if config["kv_role"] == role]
+    [config] = [config for config in readme_transfer_configs() if config["kv_role"] == role]
     return config
 
 
@@ -75,21 +76,10 @@ def server(folder: Path, *, core: int, role: str | None = None, kv_extra: dict |
     steps it every millisecond, its worker polls for the next step), and a prefill instance whose
     OpenMP threads share that core waits at every barrier for the one the spinning worker crowds
     out: here a 1,200-token prefill took over five minutes that way."""
-    instance = VllmServer(folder, kv_extra=kv_extra, compiled=False, dtype="float32",
-                          args=["--chat-template", str(template)], env={"VLLM_CPU_OMP_THREADS_BIND": str(core)})
-    if role is not None:
-        # The tests' servers take the README quick start's transfer config: the P/D line's instead.
-        at = instance.command.index("--kv-transfer-config") + 1
-        test_extra = json.loads(instance.command[at])["kv_connector_extra_config"]
-        config = readme_role_config(role)
-        config["kv_connector_extra_config"] = {**test_extra, **config["kv_connector_extra_config"],
-                                               **(kv_extra or {})}
-        instance.command[at] = json.dumps(config)
-    try:
-        return instance.start()
-    except BaseException:
-        instance.close()
-        raise
+    return start_server(folder, kv_extra=kv_extra if role is None else (kv_extra or {}),
+                        transfer=None if role is None else readme_role_config(role), compiled=False,
+                        dtype="float32", args=["--chat-template", str(template)],
+                        env={"VLLM_CPU_OMP_THREADS_BIND": str(core)})
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +107,9 @@ def instances(node, tmp_path_factory):
             instance.close()
 
 
-def route(prefill: VllmServer, decode: VllmServer, log: Path):
-    """``flowkv route --prefill P --decode D`` on a free port: yields its URL."""
+@contextlib.contextmanager
+def route(prefill: VllmServer, decode: VllmServer, log: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``flowkv route --prefill P --decode D`` on a free port: its URL and process."""
     proc = subprocess.Popen([str(Path(sys.executable).parent / "flowkv"), "route", "--port", "0",
                              "--prefill", prefill.url, "--decode", decode.url,
                              "--prefill-retry-s", "600", "--log-level", "warning"],
@@ -128,7 +119,7 @@ def route(prefill: VllmServer, decode: VllmServer, log: Path):
         assert "listening on http://" in line, (line, log.read_text())
         url = line.split("listening on ")[1].strip()
         wait_for(lambda: _answers(url + "/health"), "flowkv route to answer")  # the line can come first
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -136,7 +127,8 @@ def route(prefill: VllmServer, decode: VllmServer, log: Path):
 
 @pytest.fixture(scope="module")
 def router(instances, tmp_path_factory):
-    yield from route(instances["prefill"], instances["decode"], tmp_path_factory.mktemp("route") / "route.log")
+    with route(instances["prefill"], instances["decode"], tmp_path_factory.mktemp("route") / "route.log") as (url, _):
+        yield url
 
 
 def _answers(url: str) -> bool:
@@ -266,6 +258,42 @@ def test_a_decode_request_that_arrives_before_its_prefill_is_asked_again_until_t
                                              "external_kv_transfer": loaded_tokens(n)}
 
 
+def test_the_router_killed_mid_request_loses_that_request_only(node, instances, router, tmp_path):
+    """``flowkv route`` killed with SIGKILL while a request's decode streams: that client's connection
+    breaks; the instances drop the request and keep nothing of it pinned or leased, and the same
+    prompt through another router is answered correctly, its decode leg loading all but a block."""
+    prefill, decode = instances["prefill"], instances["decode"]
+    prompt = random_tokens(6003, 1300)
+    failed: list[BaseException] = []
+
+    def ask(url: str) -> None:
+        try:  # ~2,000 greedy tokens: seconds of streaming, well past the kill
+            complete(url, prompt, stream=True, max_tokens=2000)
+        except BaseException as exc:  # noqa: BLE001 - what the client saw is the assertion
+            failed.append(exc)
+
+    with route(prefill, decode, tmp_path / "route.log") as (url, proc):
+        client = threading.Thread(target=ask, args=(url,))
+        client.start()
+        wait_for(lambda: json.load(urllib.request.urlopen(url + "/stats", timeout=60))["in_flight"][decode.url] > 0,
+                 "the request's decode leg in flight")
+        proc.kill()
+        proc.wait(timeout=60)
+        client.join(600)
+    assert not client.is_alive() and failed, "the client's stream should break with the router"
+    # Nothing of the request is held: no room, read or pin in the node server, the decode instance idle.
+    wait_for(lambda: (c := node.status()["clients"])["allocations_held"] == 0 and c["reads_held"] == 0,
+             "the node server to hold nothing of the dropped request", timeout_s=120)
+    assert node.status()["memory"]["pinned_entries"] == 0
+    wait_for(lambda: decode.metric("vllm:num_requests_running") == 0, "the decode instance to drop the request",
+             timeout_s=120)
+    expected, _ = complete(instances["reference"].url, prompt)
+    at_decode = by_source(decode)
+    output, _ = complete(router, prompt)
+    assert output == expected
+    assert counted(decode, at_decode, 1300)["local_compute"] <= BLOCK_SIZE
+
+
 def test_the_prefill_instance_killed_mid_run_leaves_every_request_answered_correctly(node, instances, router):
     prefill = instances["prefill"]
     prompts = [random_tokens(7000 + i, 2500 + 37 * i) for i in range(8)]
@@ -304,11 +332,8 @@ def on_redis(instances, redis_server, tmp_path_factory):  # noqa: F811 - the fix
                                     template=template)
         started["decode"] = server(folder / "decode", core=1, role="kv_consumer", template=template,
                                    kv_extra={**shared, "remote_prefill_wait_ms": 600_000})
-        routes = route(started["prefill"], started["decode"], folder / "route.log")
-        try:
-            yield {**started, "router": next(routes)}
-        finally:
-            routes.close()
+        with route(started["prefill"], started["decode"], folder / "route.log") as (url, _):
+            yield {**started, "router": url}
     finally:
         for instance in started.values():
             instance.close()
