@@ -199,10 +199,13 @@ def test_long_command_waits_do_not_starve_health_or_lookups(controller):
         return CommandResult(id=command.id, ok=True)
 
     reporter = reporter_for(controller, "slow", controller.token_file, run_command=run_command)
+    # Another instance holding the prompt, which the clears do not name: what /lookup must still find.
+    bystander = reporter_for(controller, "bystander", controller.token_file)
     answered: list[str] = []
     try:
-        reporter.offer("admit", "memory", chunk_keys(TOKENS, chunk_size=16)[0])
-        assert reporter.wait_idle(60)
+        for holder in (reporter, bystander):
+            holder.offer("admit", "memory", chunk_keys(TOKENS, chunk_size=16)[0])
+            assert holder.wait_idle(60)
         before = _clears_queued(controller)
 
         def clear() -> None:
@@ -216,7 +219,7 @@ def test_long_command_waits_do_not_starve_health_or_lookups(controller):
         # More waiting clears than the worker pool has threads; /health and /lookup still answer meanwhile.
         assert controller.get("/health", token=None)["status"] == "ok"
         assert controller.instance("slow") is not None  # /instances and /lookup run on the worker pool
-        assert holders(controller)["valid"] == 16
+        assert holders(controller)["bystander"] == 16
         answered.append("health and lookup")
         release.set()
         for thread in clears:
@@ -225,6 +228,7 @@ def test_long_command_waits_do_not_starve_health_or_lookups(controller):
     finally:
         release.set()
         reporter.close()
+        bystander.close()
 
 
 def _clears_queued(controller: ControllerProcess) -> int:
