@@ -326,13 +326,7 @@ def run(args: argparse.Namespace) -> int:
                     results["failed"][config] = where + " ".join(str(exc).split())[-400:]
                     for level_runs in runs[config].values():  # keep whole rounds only
                         del level_runs[repeat:]
-    for config, by_level in runs.items():
-        by_level = {level: level_runs for level, level_runs in by_level.items() if level_runs}
-        if by_level:
-            results["runs"][config] = by_level
-            results["median"][config] = {lvl: _median(level_runs) for lvl, level_runs in by_level.items()}
-            results.setdefault("range", {})[config] = {lvl: _range(level_runs) for lvl, level_runs in by_level.items()}
-    _ratios(results)
+    summarize(results, runs)
     if args.plot:
         _plot(results, args.plot)
     if args.json:
@@ -340,6 +334,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print(results)
     return 0
+
+
+def summarize(results: dict[str, Any], runs: dict[str, dict[int, list[dict[str, Any]]]]) -> None:
+    """Fill ``results``' ``runs``, ``median`` and ``range`` from each configuration's rounds at each
+    concurrency (a configuration with no whole round left out), then the ratios between the medians."""
+    for config, by_level in runs.items():
+        by_level = {level: level_runs for level, level_runs in by_level.items() if level_runs}
+        if by_level:
+            results["runs"][config] = by_level
+            results["median"][config] = {lvl: _median(level_runs) for lvl, level_runs in by_level.items()}
+            results.setdefault("range", {})[config] = {lvl: _range(level_runs) for lvl, level_runs in by_level.items()}
+    _ratios(results)
 
 
 def _ratios(results: dict[str, Any]) -> None:

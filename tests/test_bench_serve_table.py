@@ -1,0 +1,77 @@
+"""``flowkv bench serve``'s table from rounds made up here: medians, ranges, ratios and the printed
+rows, without a server (tests/test_bench_serve.py runs one round of each configuration for real)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+
+from flowkv.bench import serve
+
+
+def a_round(requests_per_s: float, ttft_p99_ms: float, itl_p50_ms: float, *, flowkv_tokens: int = 0) -> dict:
+    return {"requests_per_s": requests_per_s, "ttft_p50_ms": ttft_p99_ms / 2, "ttft_p99_ms": ttft_p99_ms,
+            "itl_p50_ms": itl_p50_ms, "completed": 6, "failed": 0, "flowkv_tokens": flowkv_tokens,
+            "connector_tokens": flowkv_tokens}
+
+
+def results_of(runs: dict) -> dict:
+    results = {"runs": {}, "median": {}, "failed": {},
+               "workload": {"docs": 3, "asks": 2, "doc_tokens": 512, "question_tokens": 16, "output_tokens": 4,
+                            "pool_docs": 2, "memory_docs": 8, "repeats": 3, "vllm_prefix_caching": False}}
+    serve.summarize(results, runs)
+    return results
+
+
+RUNS = {
+    "none": {2: [a_round(1.0, 300, 20), a_round(3.0, 100, 40), a_round(2.0, 200, 30)]},
+    "ceiling": {2: [a_round(4.0, 50, 20), a_round(4.0, 70, 22), a_round(6.0, 60, 21)]},
+    "local-cpu": {2: [a_round(3.0, 90, 25, flowkv_tokens=512), a_round(2.5, 80, 26, flowkv_tokens=512),
+                      a_round(3.5, 100, 24, flowkv_tokens=768)]},
+}
+
+
+def test_the_median_of_each_figure_over_the_rounds_within_its_range():
+    results = results_of(RUNS)
+    assert results["median"]["none"][2]["requests_per_s"] == 2.0
+    assert results["median"]["none"][2]["ttft_p99_ms"] == 200
+    assert results["median"]["local-cpu"][2]["flowkv_tokens"] == 512
+    assert results["range"]["none"][2] == {"requests_per_s": [1.0, 3.0], "ttft_p99_ms": [100, 300],
+                                           "itl_p50_ms": [20, 40]}
+    assert results["range"]["ceiling"][2]["requests_per_s"] == [4.0, 6.0]
+    assert results["runs"]["local-cpu"][2] == RUNS["local-cpu"][2]
+
+
+def test_ratios_are_between_medians_at_the_same_concurrency():
+    row = results_of(RUNS)["median"]["local-cpu"][2]
+    assert row["requests_per_s_vs_none"] == pytest.approx(3.0 / 2.0)
+    assert row["ttft_p99_vs_none"] == pytest.approx(90 / 200)
+    assert row["itl_p50_vs_none"] == pytest.approx(25 / 30)
+    assert row["requests_per_s_vs_ceiling"] == pytest.approx(3.0 / 4.0)
+    assert row["ttft_p99_vs_ceiling"] == pytest.approx(90 / 60)
+    none = results_of(RUNS)["median"]["none"][2]
+    assert none["requests_per_s_vs_none"] == pytest.approx(1.0)
+
+
+def test_a_configuration_without_a_whole_round_is_left_out_and_the_others_keep_their_ratios():
+    results = results_of({"none": RUNS["none"], "local-cpu": {2: []}, "ceiling": {}})
+    assert list(results["median"]) == ["none"]
+    assert "requests_per_s_vs_ceiling" not in results["median"]["none"][2]
+
+
+def test_the_printed_table_has_a_row_per_configuration_with_its_median_and_range():
+    out = io.StringIO()
+    results = results_of(RUNS)
+    results["failed"] = {"cpu-disk": "at concurrency 2: the server died"}
+    with contextlib.redirect_stdout(out):
+        serve._print(results)
+    lines = out.getvalue().splitlines()
+    assert "median and range of 3 round(s)" in lines[0]
+    rows = {line.split()[0]: line.split() for line in lines[3:6]}
+    assert list(rows) == ["none", "ceiling", "local-cpu"]
+    assert rows["none"][1:4] == ["2", "2.00", "1.00-3.00"]
+    assert rows["local-cpu"][2:6] == ["3.00", "2.50-3.50", "1.50x", "0.75x"]
+    assert rows["local-cpu"][-2:] == ["512", "6"]
+    assert lines[-1] == "cpu-disk: failed: at concurrency 2: the server died"
