@@ -46,7 +46,7 @@ from node_servers import node_servers, wait_for  # noqa: F401 - pytest fixture
 from redis_servers import redis_server  # noqa: F401 - pytest fixture
 from vllm_helpers import BLOCK_SIZE, random_tokens
 from vllm_server import (MODEL_NAME, VllmServer, _join_stream, _sse_events, metric_value,
-                         readme_transfer_configs, start_server)
+                         readme_transfer_configs, start_servers)
 
 from flowkv.integration.vllm.disagg import prefill_answer
 
@@ -67,19 +67,18 @@ def readme_role_config(role: str) -> dict:
     return config
 
 
-def server(folder: Path, *, core: int, role: str | None = None, kv_extra: dict | None = None,
-           template: Path) -> VllmServer:
-    """An eager float32 ``vllm serve`` on one core; with ``role``, flowkv's connector as the README's line in
-    that kv_role starts it (its pipeline), plus ``kv_extra``.
+def instance_options(*, core: int, role: str | None = None, kv_extra: dict | None = None, template: Path) -> dict:
+    """The options of an eager float32 ``vllm serve`` on one core; with ``role``, flowkv's connector as
+    the README's line in that kv_role starts it (its pipeline), plus ``kv_extra``.
 
     One core each, as one would deploy them: a decode instance waiting for its prefill spins (vLLM
     steps it every millisecond, its worker polls for the next step), and a prefill instance whose
     OpenMP threads share that core waits at every barrier for the one the spinning worker crowds
     out: here a 1,200-token prefill took over five minutes that way."""
-    return start_server(folder, kv_extra=kv_extra if role is None else (kv_extra or {}),
-                        transfer=None if role is None else readme_role_config(role), compiled=False,
-                        dtype="float32", args=["--chat-template", str(template)],
-                        env={"VLLM_CPU_OMP_THREADS_BIND": str(core)})
+    return {"kv_extra": kv_extra if role is None else (kv_extra or {}),
+            "transfer": None if role is None else readme_role_config(role), "compiled": False,
+            "dtype": "float32", "args": ["--chat-template", str(template)],
+            "env": {"VLLM_CPU_OMP_THREADS_BIND": str(core)}}
 
 
 @pytest.fixture(scope="module")
@@ -93,18 +92,18 @@ def instances(node, tmp_path_factory):
     template = folder / "chat.jinja"
     template.write_text(CHAT_TEMPLATE, encoding="utf-8")
     on_node = {"tiers.node.socket": str(node.socket)}  # the pipeline is the README's
-    started: dict[str, VllmServer] = {}
-    try:
-        started["reference"] = server(folder / "reference", core=0, template=template)
-        started["prefill"] = server(folder / "prefill", core=0, role="kv_producer", kv_extra=on_node,
-                                    template=template)
+    started = start_servers(folder, {
+        "reference": instance_options(core=0, template=template),
+        "prefill": instance_options(core=0, role="kv_producer", kv_extra=on_node, template=template),
         # Bounded far above any prefill here: test 2 holds a decode request until its prefill ran.
-        started["decode"] = server(folder / "decode", core=1, role="kv_consumer", template=template,
-                                   kv_extra={**on_node, "remote_prefill_wait_ms": 600_000})
+        "decode": instance_options(core=1, role="kv_consumer", template=template,
+                           kv_extra={**on_node, "remote_prefill_wait_ms": 600_000}),
+    })
+    try:
         yield started
     finally:
-        for instance in started.values():
-            instance.close()
+        for server in started.values():
+            server.close()
 
 
 @contextlib.contextmanager
@@ -326,17 +325,17 @@ def on_redis(instances, redis_server, tmp_path_factory):  # noqa: F811 - the fix
     template.write_text(CHAT_TEMPLATE, encoding="utf-8")
     shared = {"pipeline": "cpu-redis", "chunk_size": BLOCK_SIZE, "tiers.redis.url": redis_server.url,
               "tiers.redis.namespace": "pd-test"}
-    started: dict[str, VllmServer] = {}
+    started = start_servers(folder, {
+        "prefill": instance_options(core=0, role="kv_producer", kv_extra=shared, template=template),
+        "decode": instance_options(core=1, role="kv_consumer", template=template,
+                           kv_extra={**shared, "remote_prefill_wait_ms": 600_000}),
+    })
     try:
-        started["prefill"] = server(folder / "prefill", core=0, role="kv_producer", kv_extra=shared,
-                                    template=template)
-        started["decode"] = server(folder / "decode", core=1, role="kv_consumer", template=template,
-                                   kv_extra={**shared, "remote_prefill_wait_ms": 600_000})
         with route(started["prefill"], started["decode"], folder / "route.log") as (url, _):
             yield {**started, "router": url}
     finally:
-        for instance in started.values():
-            instance.close()
+        for server in started.values():
+            server.close()
 
 
 def test_through_redis_the_decode_instance_loads_what_the_prefill_wrote_behind_but_a_block(instances, on_redis):

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from vllm_server import VllmServer, flowkv_server, metric_value, plain_server  # noqa: F401 - pytest fixtures
+from vllm_server import VllmServer, flowkv_server, metric_value, plain_server, served_pair  # noqa: F401 - pytest fixtures
 
 pytestmark = pytest.mark.vllm
 

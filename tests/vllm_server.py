@@ -7,14 +7,14 @@ sends completions (streamed or not) and reads ``/metrics``; and stops it with
 SIGTERM, as systemd or Kubernetes would. Module-scoped fixtures share one
 server per test module (a start costs 25-70 s on two cores); import them::
 
-    from vllm_server import flowkv_server, plain_server  # noqa: F401 - pytest fixtures
+    from vllm_server import flowkv_server, plain_server, served_pair  # noqa: F401 - pytest fixtures
 
     def test_something(flowkv_server):
         reply = flowkv_server.complete(token_ids, max_tokens=8)
 
 ``start_server(folder, kv_extra={...}, args=[...], env={...}, transfer=README_CONFIG)`` starts one
 with other settings (another pipeline, another README line's transfer config, vLLM flags, environment); the caller
-stops it (``close()``). Servers run eager and in float32 (as the tests' ``vllm.LLM`` engines do, see
+stops it (``close()``). ``start_servers`` starts several side by side. Servers run eager and in float32 (as the tests' ``vllm.LLM`` engines do, see
 ``vllm_helpers.DTYPE``); ``compiled=True`` runs vLLM's compiled default (the main fixtures below).
 """
 
@@ -337,17 +337,44 @@ def start_server(folder: Path, *, kv_extra: dict[str, Any] | None = None, args: 
         raise
 
 
+def start_servers(folder: Path, specs: dict[str, dict[str, Any]]) -> dict[str, VllmServer]:
+    """Start several servers at once (``start_server``'s options per name, each in ``folder / name``)
+    and wait until every one is ready: a start is mostly one process importing and loading on one
+    core, so two or three side by side take little longer than one. If one fails, all are stopped."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    servers = {name: VllmServer(folder / name, **options) for name, options in specs.items()}
+    with ThreadPoolExecutor(len(servers)) as pool:
+        started = [pool.submit(server.start) for server in servers.values()]
+    try:
+        for future in started:
+            future.result()
+    except BaseException:
+        for server in servers.values():
+            server.close()
+        raise
+    return servers
+
+
 @pytest.fixture(scope="module")
-def flowkv_server(tmp_path_factory) -> Iterator[VllmServer]:
+def served_pair(tmp_path_factory) -> Iterator[dict[str, VllmServer]]:
+    """``flowkv_server`` and ``plain_server``, started side by side (compiled, as vLLM's default)."""
+    servers = start_servers(tmp_path_factory.mktemp("serve"), {
+        "flowkv": {"kv_extra": {"chunk_size": 256}, "compiled": True},
+        "plain": {"compiled": True},
+    })
+    yield servers
+    for server in servers.values():
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def flowkv_server(served_pair) -> VllmServer:
     """`vllm serve` on the tiny model with flowkv (pipeline local-cpu, chunks of 256 tokens)."""
-    server = start_server(tmp_path_factory.mktemp("flowkv-serve"), kv_extra={"chunk_size": 256}, compiled=True)
-    yield server
-    server.close()
+    return served_pair["flowkv"]
 
 
 @pytest.fixture(scope="module")
-def plain_server(tmp_path_factory) -> Iterator[VllmServer]:
+def plain_server(served_pair) -> VllmServer:
     """The same `vllm serve`, without a KV connector: the reference outputs."""
-    server = start_server(tmp_path_factory.mktemp("plain-serve"), compiled=True)
-    yield server
-    server.close()
+    return served_pair["plain"]
