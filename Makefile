@@ -41,8 +41,11 @@ model: setup
 demo: setup model
 	$(BIN)/flowkv demo
 
+# Two workers: every test that starts vLLM runs on one of them, in turn; the others beside it
+# (tests/conftest.py groups them). PYTEST_WORKERS=0 runs the suite in one process.
+PYTEST_WORKERS ?= 2
 test: setup model
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup) $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/flowkv bench runner

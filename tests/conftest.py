@@ -111,6 +111,7 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(session, config, items):
+    _write_groups(config, items)
     seed = config.getoption("--shuffle")
     if seed is None:
         return
@@ -128,6 +129,70 @@ def pytest_collection_modifyitems(session, config, items):
         if not any(item.get_closest_marker("in_order") for item in tests):
             rng.shuffle(tests)
         items.extend(tests)
+
+
+# How ``make test``'s two pytest-xdist workers (``-n 2``) share the suite: every test that starts vLLM
+# in one group, run one after another by one worker, as without workers (an engine takes both cores;
+# in-process engines share vLLM's process-wide state, which allows one connected engine at a time);
+# every other module whole (its module-scoped servers start once, an in_order story keeps its
+# order) on whichever worker is free. Tests that start no vLLM mostly wait on processes and
+# sockets, so they run beside the engines instead of after them.
+#
+# xdist's own ``--dist loadgroup`` cannot do it here: it renames a test by assigning
+# ``item._nodeid``, which pytest 9 no longer reads (tests/test_suite_policy.py pins that). So each
+# worker writes the group of every test it collected to a file the controller names, and the
+# controller's scheduler (one work unit per group) reads it once every worker has collected.
+_GROUPS_FILE = "FLOWKV_TEST_GROUPS_FILE"
+
+
+def test_group(item) -> str:
+    """The work unit ``item`` runs in under ``make test``'s workers."""
+    return "vllm" if item.get_closest_marker("vllm") else item.nodeid.split("::", 1)[0]
+
+
+def _write_groups(config, items) -> None:
+    path = os.environ.get(_GROUPS_FILE)
+    if not path or not hasattr(config, "workerinput"):
+        return
+    import json
+
+    part = f"{path}.{config.workerinput['workerid']}"
+    with open(part, "w", encoding="utf-8") as out:
+        json.dump({item.nodeid: test_group(item) for item in items}, out)
+    os.replace(part, path)  # every worker collects the same tests: the last one to finish wins
+
+
+def pytest_configure(config):
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        import tempfile
+
+        # Workers inherit the controller's environment: they learn where to write.
+        fd, path = tempfile.mkstemp(prefix="flowkv-test-groups-", suffix=".json")
+        os.close(fd)
+        os.environ[_GROUPS_FILE] = path
+        config.add_cleanup(lambda: os.path.exists(path) and os.unlink(path))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    import json
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        """One work unit per group (``test_group``); the largest (vLLM's) goes out first."""
+
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:
+                with open(os.environ[_GROUPS_FILE], encoding="utf-8") as groups:
+                    self.groups = json.load(groups)
+            return self.groups.get(nodeid) or nodeid.split("::", 1)[0]
+
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    return ByGroup(config, log)
 
 
 def pytest_report_header(config):
