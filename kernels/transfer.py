@@ -90,8 +90,10 @@ def _layer_groups(layers: list[torch.Tensor], geometry: KVGeometry) -> list[torc
 
 
 # Layer groups of recent caches: an engine passes the same tensors on every call. Keyed by
-# the tensors' ids and checked through weak references, so a cache that is dropped is
-# neither kept alive nor mistaken for a new one at the same address.
+# the tensors' ids and checked through weak references, so that a cache is not mistaken for a
+# new one at the same address. A group is a view of the cache and keeps its storage alive: the
+# entry goes as soon as one of its layer tensors is dropped (an engine that shut down), or the
+# stopped engine's whole KV pool would stay allocated in the process.
 _GROUPS: dict[tuple[Any, ...], tuple[list[weakref.ref], list[torch_kv.LayerGroup]]] = {}
 _GROUPS_KEPT = 16
 _GROUPS_LOCK = threading.Lock()
@@ -106,7 +108,8 @@ def _cached_layer_groups(layers: list[torch.Tensor], geometry: KVGeometry) -> li
     with _GROUPS_LOCK:
         if len(_GROUPS) >= _GROUPS_KEPT:
             _GROUPS.pop(next(iter(_GROUPS)))
-        _GROUPS[key] = ([weakref.ref(layer) for layer in layers], groups)
+        _GROUPS[key] = ([weakref.ref(layer, lambda _, key=key: _GROUPS.pop(key, None)) for layer in layers],
+                        groups)
     return groups
 
 

@@ -104,6 +104,27 @@ def test_skipped_slots_are_neither_read_nor_written(layout):
     assert_caches_equal(restored, expected)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_dropped_cache_is_freed_though_its_layer_groups_were_cached(layout):
+    """The transfers keep each recent cache's layer groups (views of it) for the next call: once the
+    engine drops its cache, those go too, or a stopped engine's KV pool stays allocated."""
+    import gc
+    import weakref
+
+    g = geometry_for(layout)
+    caches = make_paged_kv(g, NUM_BLOCKS, seed=5)
+    storage = caches[0]._base if caches[0]._base is not None else caches[0]  # what holds the memory
+    freed = weakref.ref(storage)
+    del storage
+    slots = random_slot_mapping(16, g, NUM_BLOCKS, seed=6)
+    chunk = gather(caches, g, slots, torch.empty(g.chunk_shape(16), dtype=g.dtype))
+    scatter(chunk, caches, g, slots)
+    assert freed() is not None
+    del caches
+    gc.collect()
+    assert freed() is None
+
+
 def test_all_slots_skipped_is_a_no_op():
     g = geometry_for("cpu")
     source = make_paged_kv(g, NUM_BLOCKS, seed=3)
