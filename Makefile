@@ -42,10 +42,11 @@ demo: setup model
 	$(BIN)/flowkv demo
 
 # Two workers: every test that starts vLLM runs on one of them, in turn; the others beside it
-# (tests/conftest.py groups them). PYTEST_WORKERS=0 runs the suite in one process.
+# (tests/conftest.py groups them); a worker that dies fails the run, it is not replaced.
+# PYTEST_WORKERS=0 runs the suite in one process.
 PYTEST_WORKERS ?= 2
 test: setup model
-	$(BIN)/python -m pytest $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup --max-worker-restart 0) $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/flowkv bench runner
