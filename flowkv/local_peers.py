@@ -9,6 +9,9 @@ refuses it otherwise with an error that says what to do.
 :func:`peer_credentials` answers who (pid, uid, gid) holds the other end of
 a connected Unix socket (``SO_PEERCRED``: set by the kernel, not claimed by
 the peer); :func:`check_peer` refuses a peer of another user.
+:func:`process_start` tells a live process from a later one that reuses its
+pid (the node server keeps a gone client's pages from reuse while its
+process lives).
 
 ::
 
@@ -26,7 +29,7 @@ import struct
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["PeerCredentials", "check_peer", "peer_credentials", "private_folder"]
+__all__ = ["PeerCredentials", "check_peer", "peer_credentials", "private_folder", "process_start"]
 
 _CREDENTIALS = struct.Struct("3i")
 
@@ -83,3 +86,21 @@ def check_peer(sock: socket.socket, *, what: str, group: int | None = None) -> P
     allowed = f"uid {os.geteuid()}" + (f" or gid {group}" if group is not None else "")
     raise PermissionError(f"{what}: the process on the other end (pid {peer.pid}) runs as uid {peer.uid} "
                           f"gid {peer.gid}, not {allowed}: refusing to talk to it")
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/PID/stat``), or None once it has
+    exited (a zombie included: its memory is gone) or where it cannot be seen (pid 0: another pid
+    namespace). Equal answers at two times mean the same process, not a later one given its pid."""
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            text = file.read()
+    except OSError:
+        return None
+    # The name in parentheses may hold spaces and parentheses: the fields start after the last ")".
+    fields = text[text.rfind(b")") + 2:].split()
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])  # field 22, starttime

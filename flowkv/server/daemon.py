@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from flowkv import payload as payloads
-from flowkv.local_peers import PeerCredentials, peer_credentials, private_folder
+from flowkv.local_peers import PeerCredentials, peer_credentials, private_folder, process_start
 from flowkv.memory import MemoryArena
 from flowkv.pipeline_model import Pipeline, TelemetrySpec
 from flowkv.resident import PREFAULT_MODES, ResidentBuffer
@@ -98,7 +98,8 @@ class ServerOptions:
                  lease_timeout_s: float = 30.0, max_pin_s: float = 60.0, slab_bytes: int | None = None,
                  metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
                  shm_dir: str | os.PathLike[str] = "/dev/shm", workers: int = 4, name: str | None = None,
-                 prefault: str = "background", group: int | None = None) -> None:
+                 prefault: str = "background", group: int | None = None,
+                 quarantine_bytes: int | None = None) -> None:
         #: the default (``node_protocol.default_socket_path``) lives in a folder only this user may use
         self.default_socket = socket_path is None
         self.socket_path = wire.default_socket_path() if socket_path is None else Path(socket_path)
@@ -121,6 +122,10 @@ class ServerOptions:
             raise ValueError(f"prefault must be one of {', '.join(PREFAULT_MODES)}; got {prefault!r}")
         #: how the arena's pages are made resident at start (flowkv.resident): background, now or off
         self.prefault = prefault
+        #: a live process whose dropped connections hold this much (quarantined) gets no new rooms
+        self.quarantine_bytes = self.memory_bytes // 4 if quarantine_bytes is None else int(quarantine_bytes)
+        if self.quarantine_bytes < 0:
+            raise ValueError(f"quarantine bytes must be at least 0, got {quarantine_bytes!r}")
 
 
 class NodeServer:
@@ -316,12 +321,22 @@ class NodeServer:
         log.info("flowkv server: closed (write-behind %s)", "drained" if drained else "not drained")
 
     async def _reap(self) -> None:
-        """Reclaim the leases of clients gone longer than the lease timeout; expire pins."""
+        """Reclaim the leases of clients gone longer than the lease timeout (quarantine those of live
+        processes, reclaim them once they exit); expire pins."""
         while True:
             await asyncio.sleep(min(0.25, self.options.lease_timeout_s / 4))
-            handles, owners = self.leases.expired()
+            handles, owners, quarantined = self.leases.expired()
             for handle in handles:
                 handle.obj.ref_down()
+            for session in quarantined:
+                held = self.leases.quarantined_bytes(session)
+                self.counters.count("quarantined_sessions")
+                log.warning("flowkv server: %s (%s) dropped its connection %.1f s ago and its process still "
+                            "runs: its %d rooms and reads (%d B from dropped connections) are kept from reuse "
+                            "until it exits or gives them back%s", session.client, session.label,
+                            self.options.lease_timeout_s, len(session.handles), held,
+                            "; it gets no new rooms, over the bound of " f"{self.options.quarantine_bytes} B"
+                            if held >= self.options.quarantine_bytes else "")
             for owner in owners:
                 self.leases.reclaimed["pins"] += self.memory.release_owner(owner)
                 self.storage.release(owner)
@@ -344,6 +359,7 @@ class NodeServer:
             writer.close()
             return
         session.pid, session.uid = peer.pid, peer.uid
+        session.started = process_start(peer.pid)  # tells this process from a later one with its pid
         # Named by its credentials and connection, never by what it declares.
         session.client = f"uid{peer.uid}:pid{peer.pid}:c{session.id}"
         self._writers.add(writer)
@@ -483,6 +499,14 @@ class NodeServer:
             raise RequestError(f"alloc's 'sizes' must be at most {_MAX_ITEMS} byte counts, each from 1 to the "
                                f"{slab} B of the largest object")
         tenant = clean_tenant(message.get("tenant"))  # a bad name is the default tenant, never a refusal
+        kept = self.leases.quarantined_bytes(session)
+        if kept and kept >= self.options.quarantine_bytes:
+            # Pages it may still write through its dropped connections are out of everyone's reach: a
+            # client that drops connection after connection must not take the whole arena that way.
+            self.counters.count("alloc_refused_quarantined")
+            raise RequestError(f"process {session.pid} holds {kept} B of rooms and reads from connections "
+                               f"it dropped (over the server's bound of {self.options.quarantine_bytes} B): "
+                               f"no new rooms until it exits or releases them")
         base = self.buffer.data_ptr()
         objs: list[list[int]] = []
         try:
@@ -590,13 +614,14 @@ class NodeServer:
         handles = message.get("handles")
         if not isinstance(handles, list) or len(handles) > _MAX_ITEMS or not all(_is_int(h) for h in handles):
             raise RequestError(f"release's 'handles' must be at most {_MAX_ITEMS} handle numbers")
-        self._drop_handles(session, handles)
+        # Its own, or its process's from a connection it dropped (a call cut off by its timeout).
+        self._drop_handles(session, handles, own_process=True)
         self.counters.count("releases", len(handles))
         return {}
 
-    def _drop_handles(self, session: Session, handles: list[int]) -> None:
+    def _drop_handles(self, session: Session, handles: list[int], *, own_process: bool = False) -> None:
         for handle_id in handles:
-            handle = self.leases.take(session, handle_id)
+            handle = self.leases.take(session, handle_id, own_process=own_process)
             if handle is not None:
                 handle.obj.ref_down()
 

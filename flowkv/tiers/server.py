@@ -29,8 +29,12 @@ every call answers at once (no hits, no room). The next call after it
 reconnects by itself; a new server (another id) has a new segment, which
 the tier maps, and objects of the old connection are refused (their
 handles died with it), so nothing is read through a stale mapping. What a
-client held when it died or lost its connection, the server reclaims after
-its lease timeout.
+client held when it died, the server reclaims after its lease timeout; what
+it held on a connection it lost while it lives (a call cut off by its
+timeout: a gather may still be writing those pages) the server keeps from
+reuse until this process exits, or until the tier gives it back: objects of
+a lost connection to the same server, once released here, are released on
+the next connection.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ __all__ = ["RemoteObj", "ServerTier", "ServerTierConfig"]
 log = logging.getLogger("flowkv.tiers")
 
 _BACKOFF_INITIAL_S = 0.25
+_MAX_GIVEN_BACK = 1 << 16  # handles one release carries (the server's bound on a request's items)
 
 
 @attrs.frozen(kw_only=True)
@@ -146,6 +151,8 @@ class ServerTier(ObjectTier):
         self._segment: wire.Segment | None = None
         self._server_id: str | None = None
         self._session = 0  # bumps on every connection: handles of an older one are dead
+        self._server_first_session = 0  # the first connection to the current server (its handles count)
+        self._given_back: list[int] = []  # handles of lost connections to it, released by this process
         self._healthy = True
         self._backoff_s = 0.0
         self._retry_at = 0.0
@@ -178,7 +185,8 @@ class ServerTier(ObjectTier):
             conn = wire.NodeConnection.connect(self.config.socket, timeout_s=self.config.timeout_s,
                                                group=self.config.trust_group)
             reply = conn.hello(self.client_id, operator_token=wire.read_operator_token(self.config.socket))
-            if reply["server"] != self._server_id or self._segment is None:
+            new_server = reply["server"] != self._server_id or self._segment is None
+            if new_server:
                 owner = conn.peer.uid if conn.peer is not None else None
                 segment = wire.map_segment(reply["segment"], int(reply["segment_bytes"]), int(reply["inode"]),
                                            owner=owner)
@@ -194,11 +202,15 @@ class ServerTier(ObjectTier):
             return None
         self._conn = conn
         self._session += 1
+        if new_server:  # a lost connection's handles died with the old server
+            self._server_first_session, self._given_back = self._session, []
         self._counters["connects"] += 1
         if not self._healthy:
             log.warning("flowkv: node server on %s reachable again", self.config.socket)
         self._healthy, self._backoff_s = True, 0.0
-        return conn
+        if self._given_back:
+            self._give_back(conn, [])
+        return self._conn
 
     def _failed(self, why: str) -> None:
         self._counters["failures"] += 1
@@ -454,12 +466,32 @@ class ServerTier(ObjectTier):
                 continue
             obj.state = "released"
             obj._tensor = None
-            if obj._session == self._session:
+            if obj._session >= self._server_first_session:
+                # This process's: of this connection, or of one it lost to the same server (which keeps
+                # such rooms from reuse while this process lives, until they are given back).
                 handles.append(obj.handle)
-            # An older connection's handles died with it: the server reclaims them itself.
-        if handles:
-            self._counters["releases"] += len(handles)
-            self._send("release", handles=handles)
+        if not handles:
+            return
+        self._counters["releases"] += len(handles)
+        with self._lock:
+            conn = self._connection()
+            if conn is None:
+                self._keep_for_later(handles)
+            else:
+                self._give_back(conn, handles)
+
+    def _give_back(self, conn: wire.NodeConnection, handles: list[int]) -> None:
+        """Release ``handles`` and those kept from a lost connection (one one-way message)."""
+        handles, self._given_back = self._given_back + handles, []
+        try:
+            conn.send("release", handles=handles)
+        except wire.NodeUnavailable as exc:
+            self._failed(str(exc))
+            self._keep_for_later(handles)
+
+    def _keep_for_later(self, handles: list[int]) -> None:
+        # Bounded by what one release may carry; any dropped stay the server's until this process exits.
+        self._given_back = (self._given_back + handles)[-_MAX_GIVEN_BACK:]
 
     def remove(self, key: str) -> bool:
         reply = self._call("remove", keys=[key])
