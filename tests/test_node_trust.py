@@ -248,3 +248,21 @@ def test_a_stale_segment_name_that_is_not_a_file_of_this_user_is_left_alone(node
         assert server.status()["requests"].get("stale_segments_removed", 0) == 0
     finally:
         planted.unlink()
+
+
+@needs_root
+def test_a_segment_folder_another_user_made_first_is_refused_with_its_owner_and_nothing_is_put_there(
+        node_servers, tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    planted = shm / wire.segment_folder(shm).name  # the name this user's servers use, taken first by nobody
+    planted.mkdir()
+    os.chown(planted, NOBODY.pw_uid, NOBODY.pw_gid)
+    planted.chmod(0o777)
+    refused = subprocess.run([sys.executable, "-m", "flowkv.cli", "server", "--socket",
+                              str(Path(node_servers.folder) / "planted.sock"), "--memory", "16MiB", "--shm-dir",
+                              str(shm)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert refused.returncode == 1
+    assert f"belongs to uid {NOBODY.pw_uid}" in refused.stderr and "Traceback" not in refused.stderr
+    assert list(planted.iterdir()) == []  # no segment in a folder its owner could read or swap
+    assert not (Path(node_servers.folder) / "planted.sock").exists()
