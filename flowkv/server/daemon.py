@@ -49,7 +49,14 @@ from pathlib import Path
 from typing import Any
 
 from flowkv import payload as payloads
-from flowkv.local_peers import PeerCredentials, peer_credentials, private_folder, process_start
+from flowkv.local_peers import (
+    PeerCredentials,
+    listener,
+    peer_credentials,
+    private_folder,
+    process_start,
+    socket_path_fits,
+)
 from flowkv.memory import MemoryArena
 from flowkv.pipeline_model import Pipeline, TelemetrySpec
 from flowkv.resident import PREFAULT_MODES, ResidentBuffer
@@ -133,6 +140,8 @@ class NodeServer:
 
     def __init__(self, options: ServerOptions) -> None:
         self.options = options
+        socket_path_fits(options.socket_path, what="--socket",  # before the arena is made, not at bind
+                         fix="choose a shorter one, or leave it out for the private default")
         self.server_id = secrets.token_hex(8)
         self.started = time.time()
         self.counters = _Counters()
@@ -888,18 +897,18 @@ def _write_private(path: Path, text: str) -> None:
 
 
 def _claim_socket_path(path: Path) -> None:
-    """Refuse a path a live server listens on (named: ours, or another user's squatting it); remove one a
-    dead server left."""
+    """Refuse a path a live server listens on (named: ours, or another user's squatting it), or one whose
+    listener does not answer; remove one a dead server left."""
     if not os.path.lexists(path):
         if not path.parent.exists():
             os.makedirs(path.parent, mode=0o700, exist_ok=True)
         return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        probe.settimeout(1.0)
-        probe.connect(str(path))
-        listener = peer_credentials(probe)
-    except OSError:
+        listening = listener(path)
+    except OSError as exc:  # a busy or hung server's socket is never taken over
+        raise RuntimeError(f"{path}: the process listening there does not answer ({exc}): refusing to take its "
+                           f"place; stop it, or choose another --socket") from exc
+    if listening is None:
         log.warning("flowkv server: removing %s, left by a server that is gone", path)
         try:
             path.unlink()
@@ -907,10 +916,8 @@ def _claim_socket_path(path: Path) -> None:
             raise RuntimeError(f"{path} is left by another user (uid {path.lstat().st_uid}) and cannot be "
                                f"removed: choose another --socket, or the private default") from exc
         return
-    finally:
-        probe.close()
-    if listener.uid != os.geteuid():
-        raise RuntimeError(f"{path}: a process of uid {listener.uid} (pid {listener.pid}) already listens there, "
+    if listening.uid != os.geteuid():
+        raise RuntimeError(f"{path}: a process of uid {listening.uid} (pid {listening.pid}) already listens there, "
                            f"not a flowkv server of this user: refusing to start; choose another --socket, or "
                            f"leave it out for the private default")
     raise RuntimeError(f"a flowkv server already listens on {path}")

@@ -64,7 +64,7 @@ from typing import Any
 import attrs
 import torch
 
-from flowkv.local_peers import PeerCredentials, check_peer
+from flowkv.local_peers import PeerCredentials, check_peer, socket_path_fits
 
 __all__ = [
     "MAX_FRAME",
@@ -90,8 +90,6 @@ PROTOCOL_VERSION = 1
 #: The largest frame either side accepts (a request names keys, never KV bytes).
 MAX_FRAME = 64 << 20
 _LENGTH = struct.Struct("<I")
-# Unix socket paths are limited to 107 bytes on Linux.
-_MAX_SOCKET_PATH = 107
 
 # The dtypes a chunk may have: a name from the wire is looked up here, never with getattr.
 _DTYPES: dict[str, torch.dtype] = {
@@ -261,9 +259,8 @@ class NodeConnection:
         the listener runs as another user (not this uid, nor ``group``): then
         not a byte was sent to it.
         """
-        path = default_socket_path() if path is None else path
-        if len(str(path)) > _MAX_SOCKET_PATH:
-            raise ValueError(f"socket path {str(path)!r} is over the {_MAX_SOCKET_PATH} bytes a Unix socket allows")
+        path = socket_path_fits(default_socket_path() if path is None else path, what="node server socket path",
+                                fix="choose a shorter one")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)
         try:
