@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,8 @@ def test_a_live_client_that_dropped_its_call_keeps_its_pages_from_reuse_until_it
     assert held["clients"]["reclaimed_allocations"] == before["clients"]["reclaimed_allocations"]
     assert held["memory"]["free_bytes"] == total - DROPPED_ROOMS * ROOM
     assert "kept from reuse until it exits" in server.log.read_text()
+    metrics = urllib.request.urlopen(server.fields["metrics"], timeout=60).read().decode()
+    assert f"flowkv_server_quarantined_bytes {DROPPED_ROOMS * ROOM}" in metrics
 
     # An honest client takes the whole rest of the arena: never one of the dropped rooms.
     honest = server.connect("honest", operator=False)
@@ -102,6 +105,7 @@ def test_a_live_client_that_dropped_its_call_keeps_its_pages_from_reuse_until_it
     # Over its bound, the dropping process gets no new room (any connection of it).
     again = dropping.step("alloc")
     assert again["alloc"] == "refused" and "no new rooms until it exits" in again["error"]
+    assert server.status()["requests"]["alloc_refused_quarantined"] == 1
 
     # It exits: its rooms go back, and the honest client gets exactly those pages, evicting nothing.
     dropping.proc.stdin.write("exit\n")
