@@ -905,6 +905,10 @@ def _claim_socket_path(path: Path) -> None:
         return
     try:
         listening = listener(path)
+    except PermissionError as exc:
+        raise RuntimeError(f"{path}: this user may not connect there (owner uid {path.lstat().st_uid}): another "
+                           f"user's socket; refusing to start; choose another --socket, or leave it out for the "
+                           f"private default") from exc
     except OSError as exc:  # a busy or hung server's socket is never taken over
         raise RuntimeError(f"{path}: the process listening there does not answer ({exc}): refusing to take its "
                            f"place; stop it, or choose another --socket") from exc
