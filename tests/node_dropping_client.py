@@ -27,17 +27,16 @@ def say(message: dict) -> None:
     print(json.dumps(message), flush=True)
 
 
-def connect(path: str) -> wire.NodeConnection:
+def connect(path: str, *, map: bool = False) -> wire.NodeConnection:
     conn = wire.NodeConnection.connect(path, timeout_s=30.0)
-    conn.hello("dropping", operator_token=wire.read_operator_token(path))  # events is an operator's call
+    conn.hello("dropping", operator_token=wire.read_operator_token(path), map=map)  # events: an operator's call
     return conn
 
 
 def main() -> int:
     path, rooms, room_bytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    conn = connect(path)
-    reply = conn.hello_reply
-    segment = wire.map_segment(reply["segment"], int(reply["segment_bytes"]), int(reply["inode"]))
+    conn = connect(path, map=True)
+    segment = wire.map_segment(conn.take_segment_fd(), int(conn.hello_reply["segment_bytes"]))
     objs = conn.call("alloc", sizes=[room_bytes] * rooms)["objs"]
     views = [segment.buffer[offset:offset + room_bytes] for _, offset in objs]
     say({"rooms": [[offset, room_bytes] for _, offset in objs]})

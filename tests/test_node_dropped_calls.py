@@ -79,9 +79,9 @@ def test_a_live_client_that_dropped_its_call_keeps_its_pages_from_reuse_until_it
     assert f"flowkv_server_quarantined_bytes {DROPPED_ROOMS * ROOM}" in metrics
 
     # An honest client takes the whole rest of the arena: never one of the dropped rooms.
-    honest = server.connect("honest", operator=False)
-    hello = honest.hello_reply
-    segment = wire.map_segment(hello["segment"], int(hello["segment_bytes"]), int(hello["inode"]))
+    honest = wire.NodeConnection.connect(server.socket, timeout_s=30.0)
+    hello = honest.hello("honest", map=True)
+    segment = wire.map_segment(honest.take_segment_fd(), int(hello["segment_bytes"]))
     want = total // ROOM
     rooms = honest.call("alloc", sizes=[ROOM] * want)["objs"]
     assert len(rooms) == want - DROPPED_ROOMS

@@ -49,7 +49,6 @@ def add_commands(sub: Any) -> None:
                              "reuse until it exits) gets no new rooms, e.g. 4GiB (default: a quarter of --memory)")
     parser.add_argument("--max-pin", type=float, default=60.0, help="longest a lookup's pin may last, seconds")
     parser.add_argument("--slab", help="the largest chunk, e.g. 256MiB (default: the smaller of that and --memory)")
-    parser.add_argument("--shm-dir", default="/dev/shm", help="where the shared segment is created")
     parser.add_argument("--prefault", choices=("background", "now", "off"), default="background",
                         help="make the arena's pages resident before stores write them: background (default) keeps "
                              "256 MiB resident ahead of the highest page handed out, refilled when no client has "
@@ -112,7 +111,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     options = ServerOptions(socket_path=args.socket, memory_bytes=memory, pipeline=pipeline,
                             lease_timeout_s=args.lease_timeout, max_pin_s=args.max_pin, slab_bytes=slab,
-                            metrics_port=args.metrics_port, metrics_host=args.metrics_host, shm_dir=args.shm_dir,
+                            metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                             name=args.name, prefault=args.prefault, group=group, quarantine_bytes=quarantine)
     try:
         server = NodeServer(options)
@@ -121,7 +120,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
 
     def ready(node: NodeServer) -> None:
-        print(f"flowkv server: ready socket={options.socket_path} segment={node.segment_path} "
+        print(f"flowkv server: ready socket={options.socket_path} segment=memfd:{node.segment_name} "
               f"memory={options.memory_bytes} server={node.server_id} metrics={node.metrics_url or '-'}",
               flush=True)
 

@@ -9,12 +9,13 @@
     timeout_s = 2.0                    # every call bounded; then misses until it is back
 
 Before it sends anything the tier checks that the listener runs as this
-user (or ``trust_group``), and it maps only a private segment of that user
+user (or ``trust_group``), and it maps only an arena descriptor of that user
 (:mod:`flowkv.tiers.node_protocol`); it connects with the server's operator
 token when it can read it (the server's own user can), which lets it carry a
 controller's ``clear`` to entries other clients wrote.
 
-The tier maps the server's shared memory once (:mod:`flowkv.tiers.node_protocol`)
+The tier maps the server's shared memory once (a memfd it gets over the socket:
+:mod:`flowkv.tiers.node_protocol`)
 and hands out objects whose tensors are views of the mapped pages: a store
 allocates there, gathers from the paged KV straight into them and commits;
 a retrieve takes read references, scatters straight from the pages and
@@ -184,12 +185,14 @@ class ServerTier(ObjectTier):
         try:
             conn = wire.NodeConnection.connect(self.config.socket, timeout_s=self.config.timeout_s,
                                                group=self.config.trust_group)
-            reply = conn.hello(self.client_id, operator_token=wire.read_operator_token(self.config.socket))
+            reply = conn.hello(self.client_id, operator_token=wire.read_operator_token(self.config.socket), map=True)
+            fd = conn.take_segment_fd()
             new_server = reply["server"] != self._server_id or self._segment is None
-            if new_server:
+            if not new_server:
+                os.close(fd)  # the same server: its arena is mapped already
+            else:
                 owner = conn.peer.uid if conn.peer is not None else None
-                segment = wire.map_segment(reply["segment"], int(reply["segment_bytes"]), int(reply["inode"]),
-                                           owner=owner)
+                segment = wire.map_segment(fd, int(reply["segment_bytes"]), owner=owner)
                 if self._segment is not None:
                     self._counters["remaps"] += 1
                     log.warning("flowkv: node server %s restarted (now %s); mapped its new arena",
@@ -198,6 +201,8 @@ class ServerTier(ObjectTier):
                 self._segment, self._server_id = segment, reply["server"]
             self._server_slab = int(reply.get("slab_bytes", 0))
         except (wire.NodeUnavailable, wire.NodeError, OSError, KeyError, ValueError) as exc:
+            if conn is not None:
+                conn.close()  # and any descriptor that came with it
             self._failed(f"connect: {exc}")
             return None
         self._conn = conn
