@@ -45,7 +45,7 @@ TOKENS = 160
 
 # A group member's client: speaks the frames itself (nobody cannot import flowkv), prints each reply.
 MEMBER = """
-import json, socket, struct, sys
+import json, mmap, socket, struct, sys
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 sock.settimeout(30)
 sock.connect(sys.argv[1])
@@ -60,7 +60,13 @@ try:
 except OSError as exc:
     token = exc.errno
 keys = json.loads(sys.argv[2])
-out = {"token": token, "hello": call(1, {"op": "hello", "client": "member"})}
+body = json.dumps({"op": "hello", "client": "member", "map": True, "id": 1}).encode()
+sock.sendall(struct.pack("<I", len(body)) + body)
+prefix, fds, _, _ = socket.recv_fds(sock, 4, 4, socket.MSG_WAITALL)  # the arena comes with the reply
+out = {"token": token, "hello": json.loads(sock.recv(struct.unpack("<I", prefix)[0], socket.MSG_WAITALL))}
+arena = mmap.mmap(fds[0], out["hello"]["segment_bytes"])  # shared, writable: a member's worker maps it
+out["mapped"] = len(arena)
+arena.close()
 out["lookup"] = call(2, {"op": "lookup", "keys": keys})
 out["remove"] = call(3, {"op": "remove", "keys": keys[:1]})
 out["snapshot"] = call(4, {"op": "snapshot"})
@@ -232,6 +238,7 @@ def test_a_group_member_reads_but_cannot_remove_snapshot_or_read_the_token(share
         assert done.returncode == 0, done.stderr
         out = json.loads(done.stdout)
         assert out["token"] == 13  # EACCES: the token is the server's user's
+        assert out["mapped"] == out["hello"]["segment_bytes"] > 0  # the arena, over the socket: no file mode
         assert out["lookup"]["held"] == [True] * 10  # a member uses the cache
         for op in ("remove", "snapshot", "events"):
             assert not out[op]["ok"] and "operator token" in out[op]["error"]
