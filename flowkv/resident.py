@@ -227,7 +227,7 @@ class ResidentBuffer:
 
     def __init__(self, mapping: mmap.mmap, nbytes: int, *, offset: int, shared: bool, huge_pages: bool,
                  prefault: PrefaultMode, reserve_bytes: int | None, path: Path | None = None,
-                 window_bytes: int = DEFAULT_WINDOW_BYTES, quiet_s: float = DEFAULT_QUIET_S) -> None:
+                 fd: int | None = None, window_bytes: int = DEFAULT_WINDOW_BYTES, quiet_s: float = DEFAULT_QUIET_S) -> None:
         if window_bytes <= 0:
             raise ValueError(f"window_bytes must be positive, got {window_bytes}")
         self._mapping = mapping
@@ -235,6 +235,8 @@ class ResidentBuffer:
         self.nbytes = nbytes
         #: the shared-memory file, for `shared` buffers
         self.path = path
+        #: the memory file's descriptor, for `memfd` buffers (handed to other processes; closed by `unlink`)
+        self.fd = fd
         self.shared = shared
         #: the buffer's bytes as one uint8 tensor (no copy: a view of the mapping)
         self.tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset) \
@@ -311,6 +313,24 @@ class ResidentBuffer:
             os.close(fd)
         return cls(mapping, nbytes, offset=0, shared=True, huge_pages=huge_pages, prefault=prefault,
                    reserve_bytes=reserve_bytes, path=path, window_bytes=window_bytes, quiet_s=quiet_s)
+
+    @classmethod
+    def memfd(cls, name: str, nbytes: int, *, prefault: PrefaultMode = "background", huge_pages: bool = True,
+              reserve_bytes: int | None = None, window_bytes: int = DEFAULT_WINDOW_BYTES,
+              quiet_s: float = DEFAULT_QUIET_S) -> ResidentBuffer:
+        """Shared memory with no name in any folder (``memfd_create``), mapped shared: other processes map
+        it through its descriptor (`fd`, passed over a Unix socket). Its pages live until the last process
+        that maps it or holds a descriptor of it lets go; no file is left behind, whatever kills whom."""
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            mapping = mmap.mmap(fd, max(nbytes, PAGE_BYTES), flags=mmap.MAP_SHARED,
+                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(mapping, nbytes, offset=0, shared=True, huge_pages=huge_pages, prefault=prefault,
+                   reserve_bytes=reserve_bytes, fd=fd, window_bytes=window_bytes, quiet_s=quiet_s)
 
     # -- pre-faulting -------------------------------------------------------
 
@@ -508,11 +528,15 @@ class ResidentBuffer:
         self._mapping = None
 
     def unlink(self) -> None:
-        """Remove a `shared` buffer's file (processes that map it keep their mapping)."""
+        """Remove a `shared` buffer's file, or close a `memfd` buffer's descriptor (processes that map it
+        keep their mapping)."""
         if self.path is not None:
             self.path.unlink(missing_ok=True)
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
 
     def __repr__(self) -> str:
-        kind = f"shared {self.path}" if self.shared else "anonymous"
+        kind = f"shared {self.path or 'memfd'}" if self.shared else "anonymous"
         return (f"<ResidentBuffer {kind} {self.nbytes} B, {self._resident} B pre-faulted ({self._state})"
                 f"{', huge pages advised' if self.huge_pages_advised else ''}>")

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's flowkv, not an installed one
 
 from node_servers import chunk_kv, geometry, kv_for, slots_for  # noqa: E402
 

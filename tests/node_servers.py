@@ -3,8 +3,8 @@
 - ``NodeServerProcess``: one server process (``python -m flowkv.cli server``) on a
   socket in a short temporary folder, started, stopped (SIGTERM), killed
   (SIGKILL) and restarted on the same socket; ``status()`` asks it over the
-  socket. ``node_servers`` (fixture factory) starts them and, at the end,
-  stops them and checks that no shared-memory segment of theirs is left.
+  socket; ``segments()`` the arenas (memfds) it holds. ``node_servers``
+  (fixture factory) starts them and, at the end, stops them.
 - ``node_pipeline``: a pipeline file whose tiers include a ``server`` tier.
 - ``hold`` (stage ``node_servers:hold``): holds a store after ``gather`` until a
   file exists, so a test can kill a client, or let two clients commit at once,
@@ -35,10 +35,9 @@ import torch
 from flowkv import stage
 from flowkv.items import Chunk
 from flowkv.pipeline import dumps_pipeline
-from flowkv.tiers.node_protocol import NodeConnection, read_operator_token, segment_folder, segment_prefix
+from flowkv.tiers.node_protocol import SEGMENT_NAME_PREFIX, NodeConnection, read_operator_token
 
 ROOT = Path(__file__).resolve().parent.parent
-SHM = segment_folder()  # this user's 0700 folder under /dev/shm, where its servers' segments live
 # How long a server may take to say it is ready (python start and torch import): a readiness
 # wait, not a performance claim.
 READY_S = 60.0
@@ -129,15 +128,14 @@ class NodeServerProcess:
             conn.close()
 
     def segments(self) -> list[Path]:
-        """This socket's shared-memory segments now in /dev/shm."""
-        prefix = segment_prefix(self.socket)
-        return sorted(p for p in SHM.iterdir() if p.name.startswith(prefix)) if SHM.exists() else []
+        """The arenas (memfds) the server process holds now, as ``/proc/PID/fd/N`` paths (opening one
+        opens the arena); none once it has exited."""
+        return held_arenas(self.pid) if self.running else []
 
 
 @pytest.fixture(scope="module")
 def node_servers() -> Iterator[Any]:
-    """``start(**kwargs)`` -> a running ``NodeServerProcess`` on a fresh socket; all stopped at the end,
-    and their shared memory checked gone."""
+    """``start(**kwargs)`` -> a running ``NodeServerProcess`` on a fresh socket; all stopped at the end."""
     folder = Path(tempfile.mkdtemp(prefix="fkvn-"))  # short: a socket path must fit 107 bytes
     started: list[NodeServerProcess] = []
 
@@ -150,16 +148,36 @@ def node_servers() -> Iterator[Any]:
     try:
         yield start
     finally:
-        left = []
         for server in started:
             if server.running:
                 server.stop()
-            left += server.segments()
-        for path in left:  # from servers killed with SIGKILL and not restarted
-            path.unlink(missing_ok=True)
         shutil.rmtree(folder, ignore_errors=True)
-    for server in started:
-        assert not server.segments()
+
+
+def held_arenas(pid: int) -> list[Path]:
+    """The node-server arenas (memfds) process ``pid`` holds a descriptor of, one ``/proc/PID/fd/N`` path
+    each (Python's mmap holds a second descriptor of what it maps)."""
+    found: dict[str, Path] = {}
+    for fd in sorted(Path(f"/proc/{pid}/fd").iterdir()):
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith(f"/memfd:{SEGMENT_NAME_PREFIX}"):
+            found.setdefault(target, fd)
+    return list(found.values())
+
+
+def mapped_arenas(pid: int | str = "self") -> set[str]:
+    """The arenas process ``pid`` maps, by name (``memfd:flowkv-node-...``, as the server calls them)."""
+    with open(f"/proc/{pid}/maps", encoding="utf-8") as maps:
+        return {"memfd:" + line.split("/memfd:", 1)[1].split()[0] for line in maps
+                if f"/memfd:{SEGMENT_NAME_PREFIX}" in line}
+
+
+def arena_name(path: Path) -> str:
+    """``memfd:flowkv-node-...``: what the server's ready line and status call the arena ``path`` opens."""
+    return os.readlink(path).removeprefix("/").split(" ", 1)[0]
 
 
 def wait_for(predicate: Any, what: str, timeout_s: float = READY_S) -> Any:

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's flowkv, not an installed one
 
 from node_servers import HOLD_TAG  # noqa: E402
 from vllm_helpers import generate, make_llm, random_tokens, request  # noqa: E402

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from node_servers import ROOT, SHM
+from node_servers import ROOT
 
 
 def test_engine_via_server_reports_both_paths_against_the_copy_in_few_round_trips():
@@ -25,7 +25,5 @@ def test_engine_via_server_reports_both_paths_against_the_copy_in_few_round_trip
     # per request and kind, never one per chunk (a store here is four chunks).
     assert figures["server_round_trips"] == 2 * 3 + 2 * 2
     assert figures["server_one_way_messages"] == 2 * 4  # each retrieve's read references, given back
-    segment = Path(figures["server_segment"])
-    assert segment.parent == SHM and segment.name.startswith("flowkv-node-")
-    assert not segment.exists()  # the bench's server removed it (other runs' servers may share /dev/shm)
+    assert figures["server_segment"].startswith("memfd:flowkv-node-")  # a descriptor, no file to leave
 

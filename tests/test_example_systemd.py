@@ -56,7 +56,7 @@ def test_the_unit_runs_the_server_as_written_and_stops_it_with_its_kill_signal(t
         for old, new in replaced.items():
             arg = arg.replace(old, new)
         command.append(arg)
-    # The unit's --memory is a production figure: this machine's /dev/shm holds a test-sized arena.
+    # The unit's --memory is a production figure: this machine holds a test-sized arena.
     command[command.index("--memory") + 1] = "64MiB"
     socket = Path(command[command.index("--socket") + 1])
     with open(tmp_path / "server.log", "w", encoding="utf-8") as log:  # the journal

@@ -115,3 +115,36 @@ def test_the_scheduler_sends_nothing_to_a_listener_of_another_user(shared_folder
         out, err = impostor.communicate(timeout=60)
         honest.close()
     assert "received 0 " in out, (out, err)  # the probe connected and hung up: not a byte sent
+
+
+def test_one_probe_tells_a_live_listener_from_a_socket_file_left_behind_and_one_length_limit(tmp_path):
+    import socket
+
+    from flowkv.integration._ipc import remove_stale_sockets
+    from flowkv.local_peers import MAX_SOCKET_PATH, listener, socket_path_fits
+    from flowkv.tiers.node_protocol import NodeConnection
+
+    live, left = tmp_path / "flowkv-live.sock", tmp_path / "flowkv-left.sock"
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(str(live))
+    listening.listen()
+    gone = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    gone.bind(str(left))  # bound, then its process "died": the file stays, nobody listens
+    gone.close()
+    try:
+        assert listener(live) == (os.getpid(), os.geteuid(), os.getegid())
+        assert listener(left) is None and listener(tmp_path / "none.sock") is None
+        old = time.time() - 3600  # past the age a socket between bind and listen is given
+        for path in (live, left):
+            os.utime(path, (old, old), follow_symlinks=False)
+        assert remove_stale_sockets(tmp_path) == [left] and live.exists()
+    finally:
+        listening.close()
+    too_long = tmp_path / ("x" * MAX_SOCKET_PATH)
+    with pytest.raises(ValueError, match=f"over the {MAX_SOCKET_PATH} a Unix socket allows; shorter"):
+        socket_path_fits(too_long, what="socket", fix="shorter")
+    # The same limit, and message, from both socket users.
+    with pytest.raises(ValueError, match=f"over the {MAX_SOCKET_PATH} a Unix socket allows"):
+        socket_path(tmp_path / ("y" * MAX_SOCKET_PATH), "i", 0, 0)
+    with pytest.raises(ValueError, match=f"over the {MAX_SOCKET_PATH} a Unix socket allows"):
+        NodeConnection.connect(too_long, timeout_s=1.0)

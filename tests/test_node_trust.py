@@ -45,7 +45,7 @@ TOKENS = 160
 
 # A group member's client: speaks the frames itself (nobody cannot import flowkv), prints each reply.
 MEMBER = """
-import json, socket, struct, sys
+import json, mmap, socket, struct, sys
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 sock.settimeout(30)
 sock.connect(sys.argv[1])
@@ -60,7 +60,13 @@ try:
 except OSError as exc:
     token = exc.errno
 keys = json.loads(sys.argv[2])
-out = {"token": token, "hello": call(1, {"op": "hello", "client": "member"})}
+body = json.dumps({"op": "hello", "client": "member", "map": True, "id": 1}).encode()
+sock.sendall(struct.pack("<I", len(body)) + body)
+prefix, fds, _, _ = socket.recv_fds(sock, 4, 4, socket.MSG_WAITALL)  # the arena comes with the reply
+out = {"token": token, "hello": json.loads(sock.recv(struct.unpack("<I", prefix)[0], socket.MSG_WAITALL))}
+arena = mmap.mmap(fds[0], out["hello"]["segment_bytes"])  # shared, writable: a member's worker maps it
+out["mapped"] = len(arena)
+arena.close()
 out["lookup"] = call(2, {"op": "lookup", "keys": keys})
 out["remove"] = call(3, {"op": "remove", "keys": keys[:1]})
 out["snapshot"] = call(4, {"op": "snapshot"})
@@ -106,10 +112,8 @@ def test_with_no_socket_named_both_sides_find_the_same_private_one(tmp_path, mon
         modes = {path: stat.S_IMODE(os.lstat(path).st_mode) for path in
                  (expected.parent, expected, wire.operator_token_path(expected))}
         assert list(modes.values()) == [0o700, 0o600, 0o600]
-        segment = Path(server.fields["segment"])
-        assert segment.parent == wire.segment_folder()
-        assert stat.S_IMODE(segment.parent.stat().st_mode) == 0o700
-        assert stat.S_IMODE(segment.stat().st_mode) == 0o600
+        # The arena is a memfd handed over the socket: no file of it anywhere for anyone to plant or open.
+        assert server.fields["segment"].startswith(f"memfd:{wire.SEGMENT_NAME_PREFIX}")
         # A pipeline with no socket line (as the shipped node pipelines are) reaches the same server.
         pipeline = tmp_path / "no-socket.toml"
         pipeline.write_text(node_pipeline(tmp_path, expected).read_text().replace(f'socket = "{expected}"\n', ""))
@@ -158,32 +162,42 @@ def test_a_squatter_of_another_user_hears_nothing_and_the_real_server_says_why_i
     assert loads_back(node_pipeline(tmp_path, honest.socket, name="honest"), ids) == TOKENS
 
 
-def test_a_segment_the_reply_names_is_opened_without_links_and_checked_for_owner_mode_and_name(tmp_path):
-    folder = tmp_path / "shm"
-    folder.mkdir(mode=0o700)
-    victim = tmp_path / "victim"  # a file of this user a listener would like written over
+def test_a_descriptor_is_mapped_only_when_it_is_a_flowkv_arena_of_the_servers_uid(tmp_path):
+    victim = tmp_path / "victim"  # a file of this user a hostile server would like written over
     victim.write_bytes(b"precious" * 512)
-    victim.chmod(0o600)
-    link = folder / "flowkv-node-abc-1-ff"
-    link.symlink_to(victim)
-    with pytest.raises(wire.NodeRefused, match="cannot open the segment"):
-        wire.map_segment(str(link), 4096, victim.stat().st_ino)
-    with pytest.raises(wire.NodeRefused, match="not named like"):
-        wire.map_segment(str(victim), 4096, victim.stat().st_ino)
-    loose = folder / "flowkv-node-abc-2-ff"
-    loose.write_bytes(bytes(4096))
-    loose.chmod(0o644)
-    with pytest.raises(wire.NodeRefused, match="not a private segment"):
-        wire.map_segment(str(loose), 4096, loose.stat().st_ino)
-    loose.chmod(0o600)
-    with pytest.raises(wire.NodeRefused, match="not a private segment of uid 12345"):
-        wire.map_segment(str(loose), 4096, loose.stat().st_ino, owner=12345)
-    folder.chmod(0o777)
-    with pytest.raises(wire.NodeRefused, match="not a private segment"):
-        wire.map_segment(str(loose), 4096, loose.stat().st_ino)
-    folder.chmod(0o700)
-    assert wire.map_segment(str(loose), 4096, loose.stat().st_ino).nbytes == 4096
+    other = os.memfd_create("something-else")
+    os.ftruncate(other, 4096)
+    read, write = os.pipe()
+    os.close(write)
+    for fd in (os.open(victim, os.O_RDWR), other, read):
+        with pytest.raises(wire.NodeRefused, match="not a flowkv arena"):
+            wire.map_segment(fd, 4096)
+        with pytest.raises(OSError):
+            os.fstat(fd)  # closed, refused or not
+    arena = os.memfd_create(f"{wire.SEGMENT_NAME_PREFIX}test")
+    os.ftruncate(arena, 4096)
+    with pytest.raises(wire.NodeRefused, match="not a flowkv arena of uid 12345"):
+        wire.map_segment(os.dup(arena), 4096, owner=12345)
+    with pytest.raises(wire.NodeUnavailable, match="not the 8192 B announced"):
+        wire.map_segment(os.dup(arena), 8192)
+    assert wire.map_segment(arena, 4096).nbytes == 4096
     assert victim.read_bytes() == b"precious" * 512
+
+
+def test_only_a_client_that_asks_gets_the_arena_and_it_is_no_file(node_servers):
+    server = node_servers("fds")
+    plain = server.connect("plain", operator=False)  # a status client: no descriptor kept
+    with pytest.raises(wire.NodeRefused, match="no arena descriptor"):
+        plain.take_segment_fd()
+    mapping = wire.NodeConnection.connect(server.socket, timeout_s=10.0)
+    reply = mapping.hello("mapping", map=True)
+    fd = mapping.take_segment_fd()
+    assert os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{wire.SEGMENT_NAME_PREFIX}")
+    segment = wire.map_segment(fd, int(reply["segment_bytes"]))
+    assert segment.nbytes == reply["segment_bytes"] and f"memfd:{segment.name.split(':', 1)[1]}" == reply["segment"]
+    for conn in (plain, mapping):
+        conn.close()
+    segment.close()
 
 
 def test_without_the_operator_token_a_client_takes_no_snapshot_events_or_other_clients(node_servers, tmp_path):
@@ -224,6 +238,7 @@ def test_a_group_member_reads_but_cannot_remove_snapshot_or_read_the_token(share
         assert done.returncode == 0, done.stderr
         out = json.loads(done.stdout)
         assert out["token"] == 13  # EACCES: the token is the server's user's
+        assert out["mapped"] == out["hello"]["segment_bytes"] > 0  # the arena, over the socket: no file mode
         assert out["lookup"]["held"] == [True] * 10  # a member uses the cache
         for op in ("remove", "snapshot", "events"):
             assert not out[op]["ok"] and "operator token" in out[op]["error"]
@@ -231,20 +246,3 @@ def test_a_group_member_reads_but_cannot_remove_snapshot_or_read_the_token(share
         assert loads_back(node_pipeline(tmp_path, socket, name="owner"), ids) == TOKENS  # nothing removed
     finally:
         server.stop()
-
-
-def test_a_stale_segment_name_that_is_not_a_file_of_this_user_is_left_alone(node_servers, tmp_path):
-    socket = Path(node_servers.folder) / "stale.sock"
-    folder = wire.segment_folder()
-    folder.mkdir(mode=0o700, exist_ok=True)
-    kept = tmp_path / "kept"
-    kept.write_text("not a segment")
-    planted = folder / f"{wire.segment_prefix(socket)}4194300-dead"  # a pid no process has
-    planted.symlink_to(kept)
-    try:
-        server = node_servers("stale")
-        assert planted.is_symlink() and kept.read_text() == "not a segment"  # neither followed nor removed
-        assert "leaving" in server.log.read_text()
-        assert server.status()["requests"].get("stale_segments_removed", 0) == 0
-    finally:
-        planted.unlink()

@@ -87,3 +87,16 @@ def test_unpacked_wheel_imports_from_elsewhere(wheel, tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "'local-cpu'" in done.stdout
+
+
+def test_redis_py_is_required_at_6_which_checks_tls_host_names_by_default():
+    import tomllib
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    (redis,) = [r for r in map(Requirement, project["dependencies"]) if r.name == "redis"]
+    # redis-py 5 made rediss:// connections without checking the server's host name unless asked.
+    assert not redis.specifier.contains("5.3.1") and redis.specifier.contains("6.0.0"), str(redis)
+    assert redis.specifier.contains(version("redis"))

@@ -135,9 +135,12 @@ async def test_an_entry_replaced_by_a_link_fifo_or_bigger_file_is_a_miss_that_ne
     else:
         outside.write_bytes(victim + b"\0" * KIB)
         os.link(outside, path)
+    read_before = _bytes_read()
     with anyio.fail_after(60):  # a liveness bound for the FIFO case, not a speed claim
         got = await tier.get([victim_key, other_key])
     assert got == [None, other]
+    if plant == "bigger":  # refused by its size, not read whole first (this process's read() bytes)
+        assert _bytes_read() - read_before < 16 << 20
     assert tier.tier.stats()["corrupt"] == 1
     assert not os.path.lexists(path)  # the planted thing is gone from the folder; what it pointed at stays
     if plant in ("symlink", "hardlink-elsewhere"):
@@ -165,3 +168,9 @@ async def test_a_restart_never_indexes_links_or_fifos(tmp_path):
     with anyio.fail_after(60):
         assert await second.get([planted_key, fifo_key, entry(1)[0]]) == [None, None, entry(1)[1]]
 
+
+
+def _bytes_read() -> int:
+    """Bytes this process has read with read() and its kin, all threads (``/proc/self/io``)."""
+    with open("/proc/self/io", encoding="ascii") as io:
+        return next(int(line.split()[1]) for line in io if line.startswith("rchar:"))

@@ -30,13 +30,11 @@ listens on any more (connecting is refused).
 
 from __future__ import annotations
 
-import errno
 import itertools
 import json
 import logging
 import multiprocessing.util
 import os
-import socket as stdlib_socket
 import stat
 import tempfile
 import threading
@@ -48,7 +46,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from flowkv.local_peers import check_peer, private_folder
+from flowkv.local_peers import check_credentials, listener, private_folder, socket_path_fits
 
 logger = logging.getLogger("flowkv.integration")
 
@@ -66,8 +64,6 @@ Handler = Callable[[dict[str, Any], np.ndarray], dict[str, Any]]
 
 # How often the server thread wakes to notice that it should stop.
 _SERVER_POLL_MS = 100
-# Unix socket paths are limited to 107 bytes on Linux.
-_MAX_SOCKET_PATH = 107
 # A socket file younger than this may be one another server has bound but not yet listens on.
 _STALE_MIN_AGE_S = 10.0
 # Run at process exit before multiprocessing's own clean-up (higher runs first).
@@ -82,13 +78,8 @@ def default_ipc_dir() -> Path:
 def socket_path(ipc_dir: str | os.PathLike[str], instance_id: str, dp_rank: int, rank: int) -> Path:
     """The socket one worker serves on: one per vLLM instance, data-parallel rank and worker rank."""
     safe_instance = "".join(c if c.isalnum() or c in "-_" else "_" for c in str(instance_id))
-    path = Path(ipc_dir) / f"flowkv-{safe_instance}-dp{dp_rank}-r{rank}.sock"
-    if len(str(path)) > _MAX_SOCKET_PATH:
-        raise ValueError(
-            f"IPC socket path {str(path)!r} is {len(str(path))} bytes, over the {_MAX_SOCKET_PATH} "
-            "a Unix socket allows; set a shorter 'ipc_dir' in kv_connector_extra_config"
-        )
-    return path
+    return socket_path_fits(Path(ipc_dir) / f"flowkv-{safe_instance}-dp{dp_rank}-r{rank}.sock",
+                            what="IPC socket path", fix="set a shorter 'ipc_dir' in kv_connector_extra_config")
 
 
 def remove_stale_sockets(ipc_dir: str | os.PathLike[str]) -> list[Path]:
@@ -129,15 +120,10 @@ def remove_stale_sockets(ipc_dir: str | os.PathLike[str]) -> list[Path]:
 
 def _listening(path: Path) -> bool:
     """Whether a process accepts connections on the Unix socket ``path`` (unsure counts as yes)."""
-    probe = stdlib_socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
-    probe.settimeout(1.0)
     try:
-        probe.connect(str(path))
-    except OSError as exc:
-        return exc.errno != errno.ECONNREFUSED
-    finally:
-        probe.close()
-    return True
+        return listener(path) is not None
+    except OSError:
+        return True
 
 
 def _unlink_if_same(path: Path, identity: tuple[int, int] | None) -> None:
@@ -380,21 +366,19 @@ class LookupClient:
             return True
         if identity in self._refused:
             return False
-        probe = stdlib_socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
-        probe.settimeout(1.0)
         try:
             if not stat.S_ISSOCK(info.st_mode):
                 raise PermissionError(f"flowkv IPC: {path} is not a socket")
-            probe.connect(str(path))
-            check_peer(probe, what=f"flowkv IPC {path}")
+            peer = listener(path)
+            if peer is None:
+                return False  # not listening yet
+            check_credentials(peer, what=f"flowkv IPC {path}")
         except PermissionError as exc:
             self._refused.add(identity)
             logger.error("%s; worker rank %d answers no lookups", exc, rank)
             return False
         except OSError:
             return False  # not listening yet
-        finally:
-            probe.close()
         if self._checked[rank] is not None:
             self._sockets[rank].disconnect(f"ipc://{path}")
         self._sockets[rank].connect(f"ipc://{path}")

@@ -44,9 +44,11 @@ def add_commands(sub: Any) -> None:
     parser.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics listen on (default loopback)")
     parser.add_argument("--lease-timeout", type=float, default=30.0,
                         help="seconds a gone client's rooms, reads and pins are kept before they are reclaimed")
+    parser.add_argument("--quarantine-max",
+                        help="a live client whose dropped connections hold this much of the arena (kept from "
+                             "reuse until it exits) gets no new rooms, e.g. 4GiB (default: a quarter of --memory)")
     parser.add_argument("--max-pin", type=float, default=60.0, help="longest a lookup's pin may last, seconds")
     parser.add_argument("--slab", help="the largest chunk, e.g. 256MiB (default: the smaller of that and --memory)")
-    parser.add_argument("--shm-dir", default="/dev/shm", help="where the shared segment is created")
     parser.add_argument("--prefault", choices=("background", "now", "off"), default="background",
                         help="make the arena's pages resident before stores write them: background (default) keeps "
                              "256 MiB resident ahead of the highest page handed out, refilled when no client has "
@@ -79,6 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         memory = parse_size(args.memory)
         slab = parse_size(args.slab) if args.slab else None
+        quarantine = parse_size(args.quarantine_max) if args.quarantine_max else None
     except ValueError as exc:
         print(f"flowkv server: {exc}", file=sys.stderr)
         return 2
@@ -108,8 +111,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     options = ServerOptions(socket_path=args.socket, memory_bytes=memory, pipeline=pipeline,
                             lease_timeout_s=args.lease_timeout, max_pin_s=args.max_pin, slab_bytes=slab,
-                            metrics_port=args.metrics_port, metrics_host=args.metrics_host, shm_dir=args.shm_dir,
-                            name=args.name, prefault=args.prefault, group=group)
+                            metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                            name=args.name, prefault=args.prefault, group=group, quarantine_bytes=quarantine)
     try:
         server = NodeServer(options)
     except (OSError, ValueError, MemoryError) as exc:  # PermissionError: a folder another user could write
@@ -117,7 +120,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
 
     def ready(node: NodeServer) -> None:
-        print(f"flowkv server: ready socket={options.socket_path} segment={node.segment_path} "
+        print(f"flowkv server: ready socket={options.socket_path} segment=memfd:{node.segment_name} "
               f"memory={options.memory_bytes} server={node.server_id} metrics={node.metrics_url or '-'}",
               flush=True)
 
@@ -159,7 +162,8 @@ def _status(args: argparse.Namespace) -> int:
     print(f"  clients  {clients['connected']} connected, {clients['disconnected']} gone within the lease timeout; "
           f"held: {clients['allocations_held']} rooms, {clients['reads_held']} reads; reclaimed: "
           f"{clients['reclaimed_allocations']} rooms, {clients['reclaimed_reads']} reads, "
-          f"{clients['reclaimed_pins']} pins")
+          f"{clients['reclaimed_pins']} pins; kept from live clients' dropped connections: "
+          f"{clients.get('quarantined_bytes', 0) / gib:.2f} GiB in {clients.get('quarantined_sessions', 0)}")
     lookups = requests.get("lookup_keys", 0)
     print(f"  lookups  {requests.get('lookups', 0)}: {requests.get('lookup_hits', 0)} of {lookups} chunks hit; "
           f"reads {requests.get('get_hits', 0)} hits, {requests.get('get_misses', 0)} misses; "

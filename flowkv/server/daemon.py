@@ -8,18 +8,23 @@
     vLLM B worker ─┼─ Unix socket ───────▶│ asyncio loop: sessions, leases, requests │
     flowkv status ─┘  (framed JSON)       │ StorageManager: [memory] -> disk, Redis   │
           │                               │   memory = MemoryTier over the segment    │
-          └── mmap ── /dev/shm/flowkv-node-<socket hash>-<pid>-<rand> (the arena) ───┘
+          └── mmap ── memfd "flowkv-node-<server id>", passed over the socket ───────┘
 
-The arena lives in one named shared-memory file (a
-:class:`flowkv.resident.ResidentBuffer`, pre-faulted as ``--prefault`` says);
-clients map it once and move KV in and out of its pages themselves. The loop thread owns the
+The arena is one anonymous shared-memory file (``memfd_create``: a
+:class:`flowkv.resident.ResidentBuffer`, pre-faulted as ``--prefault`` says)
+that has no name in any folder: a client gets its descriptor in the
+``hello`` reply (``SCM_RIGHTS``), maps it once and moves KV in and out of
+its pages itself. Nobody can plant or squat a segment, nothing is left in
+``/dev/shm`` when the server is killed, and the arena is not bound by the
+size of ``/dev/shm`` (a container's 64 MiB); its pages live until the last
+process that maps it lets go. The loop thread owns the
 sessions, handles and pins (:mod:`flowkv.server.leases`); requests that
 need a lower tier (a lookup or read that reaches disk or Redis) run on a
 small thread pool, so one slow disk read holds up no other client.
 Committed chunks go to the lower tiers from a writer thread (encoded with
 the server pipeline's ``compress`` codec, then written behind). SIGTERM or
 SIGINT stops accepting, drains the writer and the write-behind queues,
-closes the tiers and removes the socket and the segment.
+closes the tiers and removes the socket.
 
 Why asyncio streams and not ZeroMQ: a stream per client is what leases hang
 on — the server sees each connection end the moment its process dies
@@ -41,7 +46,6 @@ import queue
 import secrets
 import signal
 import socket
-import stat
 import threading
 import time
 from collections.abc import Callable
@@ -49,7 +53,14 @@ from pathlib import Path
 from typing import Any
 
 from flowkv import payload as payloads
-from flowkv.local_peers import PeerCredentials, peer_credentials, private_folder
+from flowkv.local_peers import (
+    PeerCredentials,
+    listener,
+    peer_credentials,
+    private_folder,
+    process_start,
+    socket_path_fits,
+)
 from flowkv.memory import MemoryArena
 from flowkv.pipeline_model import Pipeline, TelemetrySpec
 from flowkv.resident import PREFAULT_MODES, ResidentBuffer
@@ -97,12 +108,13 @@ class ServerOptions:
                  pipeline: Pipeline | None = None,
                  lease_timeout_s: float = 30.0, max_pin_s: float = 60.0, slab_bytes: int | None = None,
                  metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
-                 shm_dir: str | os.PathLike[str] = "/dev/shm", workers: int = 4, name: str | None = None,
-                 prefault: str = "background", group: int | None = None) -> None:
+                 workers: int = 4, name: str | None = None,
+                 prefault: str = "background", group: int | None = None,
+                 quarantine_bytes: int | None = None) -> None:
         #: the default (``node_protocol.default_socket_path``) lives in a folder only this user may use
         self.default_socket = socket_path is None
         self.socket_path = wire.default_socket_path() if socket_path is None else Path(socket_path)
-        #: a group whose members may use the server too (socket 0660, segment 0660 and its folder 0750)
+        #: a group whose members may use the server too (its socket 0660; they get the arena over it)
         self.group = group
         #: a stable name for this node's cache (a fleet controller's holder id); the id changes every start
         self.name = name or f"{socket.gethostname()}:{self.socket_path}"
@@ -115,12 +127,15 @@ class ServerOptions:
         self.slab_bytes = int(slab_bytes) if slab_bytes else min(256 << 20, self.memory_bytes)
         self.metrics_port = metrics_port
         self.metrics_host = metrics_host
-        self.shm_dir = Path(shm_dir)
         self.workers = workers
         if prefault not in PREFAULT_MODES:
             raise ValueError(f"prefault must be one of {', '.join(PREFAULT_MODES)}; got {prefault!r}")
         #: how the arena's pages are made resident at start (flowkv.resident): background, now or off
         self.prefault = prefault
+        #: a live process whose dropped connections hold this much (quarantined) gets no new rooms
+        self.quarantine_bytes = self.memory_bytes // 4 if quarantine_bytes is None else int(quarantine_bytes)
+        if self.quarantine_bytes < 0:
+            raise ValueError(f"quarantine bytes must be at least 0, got {quarantine_bytes!r}")
 
 
 class NodeServer:
@@ -128,17 +143,17 @@ class NodeServer:
 
     def __init__(self, options: ServerOptions) -> None:
         self.options = options
+        socket_path_fits(options.socket_path, what="--socket",  # before the arena is made, not at bind
+                         fix="choose a shorter one, or leave it out for the private default")
         self.server_id = secrets.token_hex(8)
         self.started = time.time()
         self.counters = _Counters()
         self.leases = LeaseTable(lease_timeout_s=options.lease_timeout_s)
         self.operator_token = secrets.token_hex(32)
-        self.segment_dir = wire.segment_folder(options.shm_dir, group=options.group)
-        self._remove_stale_segments()
-        self.segment = self._create_segment()
-        self.segment_path = self.segment.path
+        #: the arena's name (memfd_create's: shown in /proc/PID/fd and maps, never a file anyone could open)
+        self.segment_name = f"{wire.SEGMENT_NAME_PREFIX}{self.server_id}"
+        self.segment = ResidentBuffer.memfd(self.segment_name, options.memory_bytes, prefault=options.prefault)
         self.buffer = self.segment.tensor
-        self.inode = os.stat(self.segment_path).st_ino
         try:
             self.memory = MemoryTier.on_arena(MemoryArena(options.memory_bytes, slab_bytes=options.slab_bytes,
                                                           backing=self.segment), **_arena_tenants(options.pipeline))
@@ -169,61 +184,6 @@ class NodeServer:
         self._written_by: dict[str, int | None] = {}  # key -> the uid that committed it (arena entries)
 
     # -- the segment -----------------------------------------------------------
-
-    def _create_segment(self) -> ResidentBuffer:
-        """The arena's named shared memory, pre-faulted (``--prefault``) within the machine's free memory.
-
-        A shared-memory file is sparse: one larger than the room left in its
-        filesystem (a container's 64 MiB ``/dev/shm``) is created without
-        complaint, and the first write past that room kills the writer with
-        SIGBUS — a vLLM gathering into it. So the room is checked first.
-        """
-        room = _free_bytes(self.options.shm_dir)
-        if room is not None and room < self.options.memory_bytes:
-            raise ValueError(f"--memory {self.options.memory_bytes / 2**30:.2f} GiB does not fit "
-                             f"{self.options.shm_dir}: {room / 2**30:.2f} GiB free there (df -h "
-                             f"{self.options.shm_dir}; in a container, --shm-size)")
-        private_folder(self.segment_dir, what="flowkv server segments", group=self.options.group)
-        if self.options.group is not None:  # members map the segment too: the folder 0750, the file 0660
-            os.chown(self.segment_dir, -1, self.options.group)
-            os.chmod(self.segment_dir, 0o750)
-        prefix = wire.segment_prefix(self.options.socket_path)
-        path = self.segment_dir / f"{prefix}{os.getpid()}-{secrets.token_hex(4)}"
-        try:
-            segment = ResidentBuffer.shared(path, self.options.memory_bytes, prefault=self.options.prefault)
-            if self.options.group is not None:
-                os.chown(path, -1, self.options.group)
-                os.chmod(path, 0o660)
-            return segment
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
-
-    def _remove_stale_segments(self) -> None:
-        """Segments left by servers on this socket that died without cleaning up (kill -9).
-
-        Only in this user's own segment folder, and only regular files of
-        this user: nothing another user planted is touched (nor can it be
-        there), and a link is never followed.
-        """
-        prefix = wire.segment_prefix(self.options.socket_path)
-        try:
-            names = [p for p in self.segment_dir.iterdir() if p.name.startswith(prefix)]
-        except OSError:
-            return
-        for path in names:
-            pid_text = path.name[len(prefix):].split("-", 1)[0]
-            try:
-                info = path.lstat()
-            except OSError:
-                continue
-            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-                log.warning("flowkv server: leaving %s alone: not a segment file of this user", path)
-                continue
-            if pid_text.isdigit() and not _alive(int(pid_text)):
-                log.warning("flowkv server: removing %s, left by server pid %s", path, pid_text)
-                path.unlink(missing_ok=True)
-                self.counters.count("stale_segments_removed")
 
     def _remove_segment(self) -> None:
         self.segment.stop()
@@ -316,12 +276,22 @@ class NodeServer:
         log.info("flowkv server: closed (write-behind %s)", "drained" if drained else "not drained")
 
     async def _reap(self) -> None:
-        """Reclaim the leases of clients gone longer than the lease timeout; expire pins."""
+        """Reclaim the leases of clients gone longer than the lease timeout (quarantine those of live
+        processes, reclaim them once they exit); expire pins."""
         while True:
             await asyncio.sleep(min(0.25, self.options.lease_timeout_s / 4))
-            handles, owners = self.leases.expired()
+            handles, owners, quarantined = self.leases.expired()
             for handle in handles:
                 handle.obj.ref_down()
+            for session in quarantined:
+                held = self.leases.quarantined_bytes(session)
+                self.counters.count("quarantined_sessions")
+                log.warning("flowkv server: %s (%s) dropped its connection %.1f s ago and its process still "
+                            "runs: its %d rooms and reads (%d B from dropped connections) are kept from reuse "
+                            "until it exits or gives them back%s", session.client, session.label,
+                            self.options.lease_timeout_s, len(session.handles), held,
+                            "; it gets no new rooms, over the bound of " f"{self.options.quarantine_bytes} B"
+                            if held >= self.options.quarantine_bytes else "")
             for owner in owners:
                 self.leases.reclaimed["pins"] += self.memory.release_owner(owner)
                 self.storage.release(owner)
@@ -344,6 +314,7 @@ class NodeServer:
             writer.close()
             return
         session.pid, session.uid = peer.pid, peer.uid
+        session.started = process_start(peer.pid)  # tells this process from a later one with its pid
         # Named by its credentials and connection, never by what it declares.
         session.client = f"uid{peer.uid}:pid{peer.pid}:c{session.id}"
         self._writers.add(writer)
@@ -352,8 +323,13 @@ class NodeServer:
                 prefix = await reader.readexactly(4)
                 message = wire.decode_body(await reader.readexactly(wire.frame_length(prefix)))
                 reply = await self._handle(session, message)
+                fds = reply.pop("_fds", None)
                 if message.get("id"):
-                    writer.write(wire.encode_frame({"id": message["id"], **reply}))
+                    frame = wire.encode_frame({"id": message["id"], **reply})
+                    if fds:
+                        await _write_with_fds(writer, frame, fds)
+                    else:
+                        writer.write(frame)
                     await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client hung up (exited, killed, or gave up on a call)
@@ -412,9 +388,12 @@ class NodeServer:
                 raise RequestError("operator_token is not this server's")
             session.operator = True
         self.counters.count("hellos")
+        # The arena goes over the socket as a descriptor (SCM_RIGHTS), to a client that asks to map it:
+        # no name to squat, nothing to check but the descriptor itself, nothing left when all let go.
+        fds = [self.segment.fd] if message.get("map") is True else []
         return {"version": wire.PROTOCOL_VERSION, "server": self.server_id, "name": self.options.name,
-                "segment": str(self.segment_path),
-                "segment_bytes": self.options.memory_bytes, "inode": self.inode,
+                "segment": f"memfd:{self.segment_name}", "_fds": fds,
+                "segment_bytes": self.options.memory_bytes,
                 "page_bytes": self.memory.arena.page_bytes, "slab_bytes": self.memory.arena.slab_bytes,
                 "lease_timeout_s": self.options.lease_timeout_s}
 
@@ -483,6 +462,14 @@ class NodeServer:
             raise RequestError(f"alloc's 'sizes' must be at most {_MAX_ITEMS} byte counts, each from 1 to the "
                                f"{slab} B of the largest object")
         tenant = clean_tenant(message.get("tenant"))  # a bad name is the default tenant, never a refusal
+        kept = self.leases.quarantined_bytes(session)
+        if kept and kept >= self.options.quarantine_bytes:
+            # Pages it may still write through its dropped connections are out of everyone's reach: a
+            # client that drops connection after connection must not take the whole arena that way.
+            self.counters.count("alloc_refused_quarantined")
+            raise RequestError(f"process {session.pid} holds {kept} B of rooms and reads from connections "
+                               f"it dropped (over the server's bound of {self.options.quarantine_bytes} B): "
+                               f"no new rooms until it exits or releases them")
         base = self.buffer.data_ptr()
         objs: list[list[int]] = []
         try:
@@ -590,13 +577,14 @@ class NodeServer:
         handles = message.get("handles")
         if not isinstance(handles, list) or len(handles) > _MAX_ITEMS or not all(_is_int(h) for h in handles):
             raise RequestError(f"release's 'handles' must be at most {_MAX_ITEMS} handle numbers")
-        self._drop_handles(session, handles)
+        # Its own, or its process's from a connection it dropped (a call cut off by its timeout).
+        self._drop_handles(session, handles, own_process=True)
         self.counters.count("releases", len(handles))
         return {}
 
-    def _drop_handles(self, session: Session, handles: list[int]) -> None:
+    def _drop_handles(self, session: Session, handles: list[int], *, own_process: bool = False) -> None:
         for handle_id in handles:
-            handle = self.leases.take(session, handle_id)
+            handle = self.leases.take(session, handle_id, own_process=own_process)
             if handle is not None:
                 handle.obj.ref_down()
 
@@ -695,7 +683,7 @@ class NodeServer:
             "name": self.options.name,
             "pid": os.getpid(),
             "socket": str(self.options.socket_path),
-            "segment": str(self.segment_path),
+            "segment": f"memfd:{self.segment_name}",
             "uptime_s": round(time.time() - self.started, 3),
             "metrics": self.metrics_url,
             "memory": {
@@ -717,14 +705,6 @@ class NodeServer:
 
 # -- helpers -----------------------------------------------------------------------------
 
-
-def _free_bytes(folder: Path) -> int | None:
-    """Bytes an unprivileged file may still take in ``folder``'s filesystem (None: unknown)."""
-    try:
-        info = os.statvfs(folder)
-    except OSError:
-        return None
-    return info.f_bavail * info.f_frsize
 
 
 def _describe(obj: Any, key: str, nbytes: Any, meta: Any) -> None:
@@ -837,21 +817,32 @@ def _tracer(spec: TelemetrySpec) -> Any:
     return telemetry.tracer_for(spec)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 def _peer(writer: asyncio.StreamWriter) -> PeerCredentials | None:
     try:
         return peer_credentials(writer.get_extra_info("socket"))
     except (OSError, AttributeError, TypeError):
         return None
+
+
+async def _write_with_fds(writer: asyncio.StreamWriter, frame: bytes, fds: list[int]) -> None:
+    """``frame`` with ``fds`` attached to its first bytes (``SCM_RIGHTS``), after all written before it."""
+    while writer.transport.get_write_buffer_size():  # drain() returns below the high-water mark, not at 0
+        await writer.drain()
+        await asyncio.sleep(0.001)
+    # asyncio's transport cannot pass descriptors: a duplicate of its socket sends this one frame.
+    sock = socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno()))
+    try:
+        while True:
+            try:
+                sent = socket.send_fds(sock, [frame], fds)
+                break
+            except BlockingIOError:  # the client's receive buffer is full: it reads, or it hangs up
+                await asyncio.sleep(0.01)
+    finally:
+        sock.close()
+    if sent < len(frame):
+        writer.write(frame[sent:])
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -863,18 +854,22 @@ def _write_private(path: Path, text: str) -> None:
 
 
 def _claim_socket_path(path: Path) -> None:
-    """Refuse a path a live server listens on (named: ours, or another user's squatting it); remove one a
-    dead server left."""
+    """Refuse a path a live server listens on (named: ours, or another user's squatting it), or one whose
+    listener does not answer; remove one a dead server left."""
     if not os.path.lexists(path):
         if not path.parent.exists():
             os.makedirs(path.parent, mode=0o700, exist_ok=True)
         return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        probe.settimeout(1.0)
-        probe.connect(str(path))
-        listener = peer_credentials(probe)
-    except OSError:
+        listening = listener(path)
+    except PermissionError as exc:
+        raise RuntimeError(f"{path}: this user may not connect there (owner uid {path.lstat().st_uid}): another "
+                           f"user's socket; refusing to start; choose another --socket, or leave it out for the "
+                           f"private default") from exc
+    except OSError as exc:  # a busy or hung server's socket is never taken over
+        raise RuntimeError(f"{path}: the process listening there does not answer ({exc}): refusing to take its "
+                           f"place; stop it, or choose another --socket") from exc
+    if listening is None:
         log.warning("flowkv server: removing %s, left by a server that is gone", path)
         try:
             path.unlink()
@@ -882,10 +877,8 @@ def _claim_socket_path(path: Path) -> None:
             raise RuntimeError(f"{path} is left by another user (uid {path.lstat().st_uid}) and cannot be "
                                f"removed: choose another --socket, or the private default") from exc
         return
-    finally:
-        probe.close()
-    if listener.uid != os.geteuid():
-        raise RuntimeError(f"{path}: a process of uid {listener.uid} (pid {listener.pid}) already listens there, "
+    if listening.uid != os.geteuid():
+        raise RuntimeError(f"{path}: a process of uid {listening.uid} (pid {listening.pid}) already listens there, "
                            f"not a flowkv server of this user: refusing to start; choose another --socket, or "
                            f"leave it out for the private default")
     raise RuntimeError(f"a flowkv server already listens on {path}")

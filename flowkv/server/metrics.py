@@ -28,6 +28,9 @@ _GAUGES = (
     ("reclaimed_allocations_total", "counter", "Rooms of gone clients reclaimed", ("clients", "reclaimed_allocations")),
     ("reclaimed_reads_total", "counter", "Read references of gone clients reclaimed", ("clients", "reclaimed_reads")),
     ("reclaimed_pins_total", "counter", "Pins of gone clients reclaimed", ("clients", "reclaimed_pins")),
+    ("quarantined_sessions", "gauge", "Dropped connections of live processes whose rooms and reads are kept from "
+     "reuse", ("clients", "quarantined_sessions")),
+    ("quarantined_bytes", "gauge", "Arena bytes those connections hold", ("clients", "quarantined_bytes")),
     ("uptime_seconds", "gauge", "Seconds since the server started", ("uptime_s",)),
 )
 # counters of status()["requests"]
@@ -40,6 +43,7 @@ _REQUESTS = (
     ("gets", "Read requests"), ("get_hits", "Chunks read"), ("get_misses", "Chunks asked for and not held"),
     ("corrupt_payloads", "Lower-tier payloads that failed their checks (misses)"),
     ("promotions", "Lower-tier hits copied into the arena"), ("request_errors", "Requests refused"),
+    ("alloc_refused_quarantined", "Allocation requests refused: the process's dropped connections hold too much"),
 )
 
 

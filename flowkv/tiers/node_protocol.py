@@ -3,9 +3,9 @@
 ::
 
     client (a vLLM worker's ``server`` tier)            flowkv server (one per node)
-      |-- hello {client, pid} ------------------------>|  reply: the segment to map (path, bytes,
-      |<-------------------------------------------- --|  inode), server id, lease timeout
-      |   mmap(/dev/shm/flowkv-node-...) once          |
+      |-- hello {client, map} ------------------------>|  reply: server id, arena bytes, lease timeout,
+      |<-------------------------------------------- --|  and (map) the arena's memfd (SCM_RIGHTS)
+      |   mmap(that descriptor) once                   |
       |-- lookup {keys, pin, pin_s} ------------------>|  held per key; the leading run pinned
       |-- alloc {sizes} ------------------------------>|  [handle, offset] per chunk that fits
       |   gather straight into the mapped pages        |
@@ -27,12 +27,13 @@ span), under which the server opens its own span.
 
 Trust (the README's "Security"): the server serves its own uid (and, with
 ``--group``, that group) and nobody else. With no socket named, both sides
-use :func:`default_socket_path`, in a folder only that user may use; the
-segment lives in a 0700 folder of the user's under ``/dev/shm``. Before it
-sends anything, a client checks who listens (``SO_PEERCRED``: this uid, or
-the trusted group), and it maps a segment only when it is a regular file of
-the server's uid, mode 0600, in that private folder, with the name the
-server's files have, opened without following a link. Calls that touch
+use :func:`default_socket_path`, in a folder only that user may use. Before
+it sends anything, a client checks who listens (``SO_PEERCRED``: this uid,
+or the trusted group). The arena is a memfd with no name in any folder: it
+comes as a descriptor with the ``hello`` reply of the checked listener, and
+the client maps it only when it is a memfd named like a server's, of the
+server's uid (nothing to squat, plant, or point at a file to overwrite).
+Calls that touch
 what other clients wrote (``remove`` of their entries, ``snapshot``,
 ``events``, others' sessions in ``stats``) need the operator token that the
 server writes 0600 beside its socket (:func:`operator_token_path`); a
@@ -48,7 +49,6 @@ tensor from an offset in it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import mmap
@@ -64,7 +64,7 @@ from typing import Any
 import attrs
 import torch
 
-from flowkv.local_peers import PeerCredentials, check_peer
+from flowkv.local_peers import PeerCredentials, check_peer, socket_path_fits
 
 __all__ = [
     "MAX_FRAME",
@@ -73,25 +73,26 @@ __all__ = [
     "NodeError",
     "NodeRefused",
     "NodeUnavailable",
+    "SEGMENT_NAME_PREFIX",
     "Segment",
     "default_socket_path",
     "operator_token_path",
     "read_operator_token",
-    "segment_folder",
     "dense_order",
     "dtype_from_name",
     "dtype_name",
     "map_segment",
-    "segment_prefix",
     "view",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the arena comes as a descriptor (hello's ``map``), not a path
+#: The name (memfd_create's) of every server's arena starts with this.
+SEGMENT_NAME_PREFIX = "flowkv-node-"
+# Descriptors one message may carry (a hello reply has one): more are a protocol error.
+_FDS_SPACE = socket.CMSG_SPACE(4 * struct.calcsize("i"))
 #: The largest frame either side accepts (a request names keys, never KV bytes).
 MAX_FRAME = 64 << 20
 _LENGTH = struct.Struct("<I")
-# Unix socket paths are limited to 107 bytes on Linux.
-_MAX_SOCKET_PATH = 107
 
 # The dtypes a chunk may have: a name from the wire is looked up here, never with getattr.
 _DTYPES: dict[str, torch.dtype] = {
@@ -126,12 +127,6 @@ def default_socket_path() -> Path:
     if run.is_dir() or os.access("/run", os.W_OK | os.X_OK):
         return run / "node.sock"
     return Path.home() / ".cache" / "flowkv" / "run" / "node.sock"
-
-
-def segment_folder(shm_dir: str | os.PathLike[str] = "/dev/shm", *, group: int | None = None) -> Path:
-    """The 0700 folder of this user under ``shm_dir`` that holds its servers' segments (with a ``group``
-    the server shares, a 0750 one of its own for that group)."""
-    return Path(shm_dir) / (f"flowkv-{os.geteuid()}" + (f"-g{group}" if group is not None else ""))
 
 
 def operator_token_path(socket_path: str | os.PathLike[str]) -> Path:
@@ -174,13 +169,6 @@ def dtype_from_name(name: str) -> torch.dtype:
 def dense_order(tensor: torch.Tensor) -> list[int]:
     """The order of ``tensor``'s dims, outermost first, in which its bytes lie (from its strides)."""
     return sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d) if tensor.shape[d] > 1 else 0, d))
-
-
-def segment_prefix(socket_path: str | os.PathLike[str] | None = None) -> str:
-    """The name every shared-memory segment of the server on ``socket_path`` starts with."""
-    socket_path = default_socket_path() if socket_path is None else socket_path
-    digest = hashlib.sha256(str(Path(socket_path).resolve()).encode()).hexdigest()[:12]
-    return f"flowkv-node-{digest}-"
 
 
 # -- frames ------------------------------------------------------------------------
@@ -249,6 +237,8 @@ class NodeConnection:
         self.peer = peer
         self._lock = threading.Lock()
         self._next_id = 1
+        self._fds: list[int] = []  # descriptors that came with the reply being read
+        self._segment_fd: int | None = None  # the arena's, from hello(map=True), until taken
         #: the server's ``hello`` answer, once ``hello`` was called
         self.hello_reply: dict[str, Any] | None = None
 
@@ -261,9 +251,8 @@ class NodeConnection:
         the listener runs as another user (not this uid, nor ``group``): then
         not a byte was sent to it.
         """
-        path = default_socket_path() if path is None else path
-        if len(str(path)) > _MAX_SOCKET_PATH:
-            raise ValueError(f"socket path {str(path)!r} is over the {_MAX_SOCKET_PATH} bytes a Unix socket allows")
+        path = socket_path_fits(default_socket_path() if path is None else path, what="node server socket path",
+                                fix="choose a shorter one")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)
         try:
@@ -282,24 +271,41 @@ class NodeConnection:
     def closed(self) -> bool:
         return self._sock is None
 
-    def hello(self, client: str, *, operator_token: str | None = None, **fields: Any) -> dict[str, Any]:
+    def hello(self, client: str, *, operator_token: str | None = None, map: bool = False,
+              **fields: Any) -> dict[str, Any]:
         """Introduce this client (a label in the server's status; the server names it by its credentials).
 
         ``operator_token`` (:func:`read_operator_token`) makes this connection
         an operator's: it may remove any entry, take snapshots and events, and
-        see every client in ``stats``.
+        see every client in ``stats``. ``map`` asks for the arena's
+        descriptor (:meth:`take_segment_fd`, then :func:`map_segment`).
         """
         if operator_token:
             fields["operator_token"] = operator_token
-        reply = self.call("hello", client=client, version=PROTOCOL_VERSION, **fields)
+        if map:
+            fields["map"] = True
+        reply = self._call("hello", dict(client=client, version=PROTOCOL_VERSION, **fields), keep_fds=map)
         if reply.get("version") != PROTOCOL_VERSION:
             self.close()
             raise NodeUnavailable(f"server speaks protocol {reply.get('version')}, this client {PROTOCOL_VERSION}")
         self.hello_reply = reply
         return reply
 
+    def take_segment_fd(self) -> int:
+        """The arena's descriptor that came with ``hello(map=True)``, now the caller's to close;
+        :class:`NodeRefused` when none came."""
+        with self._lock:
+            fd, self._segment_fd = self._segment_fd, None
+        if fd is None:
+            raise NodeRefused("the server's hello reply carried no arena descriptor")
+        return fd
+
     def call(self, op: str, *, timeout_s: float | None = None, **fields: Any) -> dict[str, Any]:
         """Send a request and wait for its reply (the reply's fields, ``ok`` and ``id`` included)."""
+        return self._call(op, fields, timeout_s=timeout_s)
+
+    def _call(self, op: str, fields: dict[str, Any], *, timeout_s: float | None = None,
+              keep_fds: bool = False) -> dict[str, Any]:
         with self._lock:
             sock = self._usable()
             request_id = self._next_id
@@ -311,6 +317,12 @@ class NodeConnection:
             except (OSError, ValueError) as exc:  # socket.timeout is an OSError
                 self._drop()
                 raise NodeUnavailable(f"{op}: {type(exc).__name__}: {exc}") from exc
+            finally:
+                fds, self._fds = self._fds, []
+            if keep_fds and len(fds) == 1 and reply.get("ok"):
+                _close_fds([self._segment_fd] if self._segment_fd is not None else [])
+                self._segment_fd = fds.pop()
+            _close_fds(fds)  # none asked for: never kept (a descriptor holds what it names alive)
             if reply.get("id") != request_id:
                 self._drop()
                 raise NodeUnavailable(f"{op}: reply {reply.get('id')} to request {request_id}")
@@ -339,6 +351,8 @@ class NodeConnection:
         return self._sock
 
     def _drop(self) -> None:
+        fd, self._segment_fd = self._segment_fd, None
+        _close_fds([fd] if fd is not None else [])
         sock, self._sock = self._sock, None
         if sock is not None:
             try:
@@ -346,15 +360,29 @@ class NodeConnection:
             except OSError:
                 pass
 
-    @staticmethod
-    def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    def _read_exactly(self, sock: socket.socket, n: int) -> bytes:
+        """``n`` bytes; descriptors that come with them (``SCM_RIGHTS``) are kept in ``_fds``."""
         parts = bytearray()
         while len(parts) < n:
-            got = sock.recv(n - len(parts))
+            got, ancillary, flags, _ = sock.recvmsg(n - len(parts), _FDS_SPACE, socket.MSG_CMSG_CLOEXEC)
+            for level, kind, data in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    count = len(data) // struct.calcsize("i")
+                    self._fds.extend(struct.unpack(f"{count}i", data[:count * struct.calcsize("i")]))
+            if flags & socket.MSG_CTRUNC:
+                raise ValueError("the server sent more descriptors than a message may carry")
             if not got:
                 raise ConnectionResetError("the server closed the connection")
             parts += got
         return bytes(parts)
+
+
+def _close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 # -- the shared arena ------------------------------------------------------------------
@@ -364,9 +392,8 @@ class NodeConnection:
 class Segment:
     """A server's arena as this process maps it (``buffer`` is a uint8 view of the whole segment)."""
 
-    path: str
+    name: str
     nbytes: int
-    inode: int
     buffer: torch.Tensor
     # The mapping stays alive as long as any tensor views it (torch.frombuffer keeps a reference).
     _mapping: Any = None
@@ -377,42 +404,36 @@ class Segment:
         self._mapping = None
 
 
-def map_segment(path: str, nbytes: int, inode: int, *, owner: int | None = None) -> Segment:
-    """Map the server's shared-memory file, shared and writable, checking it is the one announced.
+def map_segment(fd: int, nbytes: int, *, owner: int | None = None) -> Segment:
+    """Map the server's arena from its descriptor (:meth:`NodeConnection.take_segment_fd`), shared and
+    writable; ``fd`` is closed either way.
 
-    Mapped only when it is a regular file named like a server's segment
-    (``flowkv-node-...``), opened without following a link, owned by
-    ``owner`` (the server's uid from ``SO_PEERCRED``; default this user),
-    giving others no access, in a folder only that owner may write; the
-    inode check refuses a file of the same name that is not the running
-    server's (a stale one left by a server killed with ``kill -9``). A reply
-    naming anything else is refused (:class:`NodeRefused`): a root client
-    never writes into a file it was pointed at.
+    Mapped only when it is a memfd named like a server's arena, a regular
+    file of ``owner`` (the server's uid from ``SO_PEERCRED``; default this
+    user) of at least ``nbytes`` bytes. Any other descriptor — a file a
+    server was tricked into passing, a device, a pipe — is refused
+    (:class:`NodeRefused`): a root client never writes into what it was
+    handed unless it is a server's own arena.
     """
     owner = os.geteuid() if owner is None else owner
-    where = Path(path)
-    if not where.name.startswith("flowkv-node-"):
-        raise NodeRefused(f"{path} is not named like a flowkv server's segment")
-    try:
-        folder = os.lstat(where.parent)
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise NodeRefused(f"cannot open the segment {path}: {exc}") from exc
     try:
         info = os.fstat(fd)
-        # Nobody but the owner may write the folder; the file gives others nothing (a --group's members rw).
-        if (not stat.S_ISDIR(folder.st_mode) or folder.st_uid != owner or folder.st_mode & 0o022
-                or not stat.S_ISREG(info.st_mode) or info.st_uid != owner or info.st_mode & 0o007):
-            raise NodeRefused(f"{path} is not a private segment of uid {owner} (file mode {info.st_mode:o} uid "
-                              f"{info.st_uid}; folder mode {folder.st_mode:o} uid {folder.st_uid})")
-        if info.st_ino != inode or info.st_size < nbytes:
-            raise NodeUnavailable(f"{path} is not the segment the server announced "
-                                  f"(inode {info.st_ino} vs {inode}, {info.st_size} B vs {nbytes} B)")
-        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            name = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            name = "?"
+        if (not name.startswith(f"/memfd:{SEGMENT_NAME_PREFIX}") or not stat.S_ISREG(info.st_mode)
+                or info.st_uid != owner):
+            raise NodeRefused(f"the descriptor the server sent is not a flowkv arena of uid {owner} ({name}, mode "
+                              f"{info.st_mode:o}, uid {info.st_uid})")
+        if info.st_size < nbytes:
+            raise NodeUnavailable(f"the arena {name} holds {info.st_size} B, not the {nbytes} B announced")
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) \
+            if nbytes else None
     finally:
         os.close(fd)
     buffer = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
-    return Segment(path=path, nbytes=nbytes, inode=inode, buffer=buffer, mapping=mapping)
+    return Segment(name=name.removeprefix("/").split(" ", 1)[0], nbytes=nbytes, buffer=buffer, mapping=mapping)
 
 
 def view(buffer: torch.Tensor, offset: int, shape: Sequence[int], dtype: torch.dtype,

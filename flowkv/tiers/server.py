@@ -9,12 +9,13 @@
     timeout_s = 2.0                    # every call bounded; then misses until it is back
 
 Before it sends anything the tier checks that the listener runs as this
-user (or ``trust_group``), and it maps only a private segment of that user
+user (or ``trust_group``), and it maps only an arena descriptor of that user
 (:mod:`flowkv.tiers.node_protocol`); it connects with the server's operator
 token when it can read it (the server's own user can), which lets it carry a
 controller's ``clear`` to entries other clients wrote.
 
-The tier maps the server's shared memory once (:mod:`flowkv.tiers.node_protocol`)
+The tier maps the server's shared memory once (a memfd it gets over the socket:
+:mod:`flowkv.tiers.node_protocol`)
 and hands out objects whose tensors are views of the mapped pages: a store
 allocates there, gathers from the paged KV straight into them and commits;
 a retrieve takes read references, scatters straight from the pages and
@@ -29,8 +30,12 @@ every call answers at once (no hits, no room). The next call after it
 reconnects by itself; a new server (another id) has a new segment, which
 the tier maps, and objects of the old connection are refused (their
 handles died with it), so nothing is read through a stale mapping. What a
-client held when it died or lost its connection, the server reclaims after
-its lease timeout.
+client held when it died, the server reclaims after its lease timeout; what
+it held on a connection it lost while it lives (a call cut off by its
+timeout: a gather may still be writing those pages) the server keeps from
+reuse until this process exits, or until the tier gives it back: objects of
+a lost connection to the same server, once released here, are released on
+the next connection.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ __all__ = ["RemoteObj", "ServerTier", "ServerTierConfig"]
 log = logging.getLogger("flowkv.tiers")
 
 _BACKOFF_INITIAL_S = 0.25
+_MAX_GIVEN_BACK = 1 << 16  # handles one release carries (the server's bound on a request's items)
 
 
 @attrs.frozen(kw_only=True)
@@ -146,6 +152,8 @@ class ServerTier(ObjectTier):
         self._segment: wire.Segment | None = None
         self._server_id: str | None = None
         self._session = 0  # bumps on every connection: handles of an older one are dead
+        self._server_first_session = 0  # the first connection to the current server (its handles count)
+        self._given_back: list[int] = []  # handles of lost connections to it, released by this process
         self._healthy = True
         self._backoff_s = 0.0
         self._retry_at = 0.0
@@ -177,11 +185,14 @@ class ServerTier(ObjectTier):
         try:
             conn = wire.NodeConnection.connect(self.config.socket, timeout_s=self.config.timeout_s,
                                                group=self.config.trust_group)
-            reply = conn.hello(self.client_id, operator_token=wire.read_operator_token(self.config.socket))
-            if reply["server"] != self._server_id or self._segment is None:
+            reply = conn.hello(self.client_id, operator_token=wire.read_operator_token(self.config.socket), map=True)
+            fd = conn.take_segment_fd()
+            new_server = reply["server"] != self._server_id or self._segment is None
+            if not new_server:
+                os.close(fd)  # the same server: its arena is mapped already
+            else:
                 owner = conn.peer.uid if conn.peer is not None else None
-                segment = wire.map_segment(reply["segment"], int(reply["segment_bytes"]), int(reply["inode"]),
-                                           owner=owner)
+                segment = wire.map_segment(fd, int(reply["segment_bytes"]), owner=owner)
                 if self._segment is not None:
                     self._counters["remaps"] += 1
                     log.warning("flowkv: node server %s restarted (now %s); mapped its new arena",
@@ -190,15 +201,21 @@ class ServerTier(ObjectTier):
                 self._segment, self._server_id = segment, reply["server"]
             self._server_slab = int(reply.get("slab_bytes", 0))
         except (wire.NodeUnavailable, wire.NodeError, OSError, KeyError, ValueError) as exc:
+            if conn is not None:
+                conn.close()  # and any descriptor that came with it
             self._failed(f"connect: {exc}")
             return None
         self._conn = conn
         self._session += 1
+        if new_server:  # a lost connection's handles died with the old server
+            self._server_first_session, self._given_back = self._session, []
         self._counters["connects"] += 1
         if not self._healthy:
             log.warning("flowkv: node server on %s reachable again", self.config.socket)
         self._healthy, self._backoff_s = True, 0.0
-        return conn
+        if self._given_back:
+            self._give_back(conn, [])
+        return self._conn
 
     def _failed(self, why: str) -> None:
         self._counters["failures"] += 1
@@ -454,12 +471,32 @@ class ServerTier(ObjectTier):
                 continue
             obj.state = "released"
             obj._tensor = None
-            if obj._session == self._session:
+            if obj._session >= self._server_first_session:
+                # This process's: of this connection, or of one it lost to the same server (which keeps
+                # such rooms from reuse while this process lives, until they are given back).
                 handles.append(obj.handle)
-            # An older connection's handles died with it: the server reclaims them itself.
-        if handles:
-            self._counters["releases"] += len(handles)
-            self._send("release", handles=handles)
+        if not handles:
+            return
+        self._counters["releases"] += len(handles)
+        with self._lock:
+            conn = self._connection()
+            if conn is None:
+                self._keep_for_later(handles)
+            else:
+                self._give_back(conn, handles)
+
+    def _give_back(self, conn: wire.NodeConnection, handles: list[int]) -> None:
+        """Release ``handles`` and those kept from a lost connection (one one-way message)."""
+        handles, self._given_back = self._given_back + handles, []
+        try:
+            conn.send("release", handles=handles)
+        except wire.NodeUnavailable as exc:
+            self._failed(str(exc))
+            self._keep_for_later(handles)
+
+    def _keep_for_later(self, handles: list[int]) -> None:
+        # Bounded by what one release may carry; any dropped stay the server's until this process exits.
+        self._given_back = (self._given_back + handles)[-_MAX_GIVEN_BACK:]
 
     def remove(self, key: str) -> bool:
         reply = self._call("remove", keys=[key])
