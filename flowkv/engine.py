@@ -10,7 +10,7 @@
 A façade over three parts, each in its own module::
 
     CacheEngine --+-- ChunkKeys       (flowkv.keys)         the chunk keys of a request
-                  +-- StorageManager  (flowkv.tiers.chain)  the ordered tiers, memory included
+                  +-- StorageManager  (flowkv.tiers.manager)  the ordered tiers, memory included
                   +-- Executor        (flowkv.executor)     runners, layerwise segments, accounting
 
 Stages see the first two (and the counters) as ``ctx.services``. The
@@ -38,7 +38,7 @@ from flowkv.keys import CacheKey, ChunkKeys, KeyPrefix
 from flowkv.layerwise import LayerwiseRetrieve, LayerwiseStore
 from flowkv.memory import MemoryObj
 from flowkv.pipeline import Pipeline, load_pipeline
-from flowkv.tiers.chain import StorageManager
+from flowkv.tiers.manager import StorageManager
 
 __all__ = ["CacheEngine", "KVTransfer", "LookupResult", "MemoryObj", "RetrieveResult", "StoreResult"]
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from flowkv.kernels import KVGeometry
     from flowkv.keys import CacheKey, ChunkKeys
     from flowkv.pipeline_model import BlendSpec
-    from flowkv.tiers.chain import StorageManager
+    from flowkv.tiers.manager import StorageManager
 
 
 @attrs.define(eq=False)

@@ -108,7 +108,7 @@ class EngineHolder:
         return CommandResult(id=command.id, ok=True, detail=detail)
 
     def _pin_or_prefetch(self, command: Command) -> CommandResult:
-        from flowkv.tiers.chain import Entry
+        from flowkv.tiers.manager import Entry
 
         engine, storage = self._engine, self._storage
         owner = ("flowkv-controller", command.op, command.id)
