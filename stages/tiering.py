@@ -151,6 +151,15 @@ def lookup(
         chunk.tier = tier_name
         hit.append(chunk)
     request.hit_tokens = hit[-1].end if hit else 0
+    request.lookup_chunks, request.hit_chunks = len(pending), len(hit)
+    # What of the hit object tiers hold (masked chunks count): a load of it only copies.
+    request.memory_tokens = 0
+    for chunk in hit:
+        if not (chunk.skip or storage.holds_objects(chunk.tier)):
+            break
+        request.memory_tokens = chunk.end
+    if request.prefetch is not None:
+        prefetch = request.prefetch  # the caller's choice (a check before a load, a controller's command)
     if ctx.kind == "lookup":
         below = [c for c in hit if c.tier is not None and not storage.holds_objects(c.tier)]
         if prefetch and below:
