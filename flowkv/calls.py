@@ -66,6 +66,8 @@ class LookupResult:
     # Tokens [0, memory_tokens) of the hit are held by object tiers (memory): a load copies
     # them. Past that the hit lies in byte tiers (disk, Redis), read (or prefetched) first.
     memory_tokens: int
+    chunks: int = 0  # the chunks the request was cut into
+    hit_chunks: int = 0  # the chunks of the hit
 
 
 @attrs.frozen

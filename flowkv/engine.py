@@ -10,7 +10,7 @@
 A façade over three parts, each in its own module::
 
     CacheEngine --+-- ChunkKeys       (flowkv.keys)         the chunk keys of a request
-                  +-- StorageManager  (flowkv.tiers.chain)  the ordered tiers, memory included
+                  +-- StorageManager  (flowkv.tiers.manager)  the ordered tiers, memory included
                   +-- Executor        (flowkv.executor)     runners, layerwise segments, accounting
 
 Stages see the first two (and the counters) as ``ctx.services``. The
@@ -38,7 +38,7 @@ from flowkv.keys import CacheKey, ChunkKeys, KeyPrefix
 from flowkv.layerwise import LayerwiseRetrieve, LayerwiseStore
 from flowkv.memory import MemoryObj
 from flowkv.pipeline import Pipeline, load_pipeline
-from flowkv.tiers.chain import StorageManager
+from flowkv.tiers.manager import StorageManager
 
 __all__ = ["CacheEngine", "KVTransfer", "LookupResult", "MemoryObj", "RetrieveResult", "StoreResult"]
 
@@ -132,6 +132,8 @@ class CacheEngine:
         lookup_id: Any = None,
         request_id: str | None = None,
         counted: tuple[int, int] | None = None,
+        prefetch: bool | None = None,
+        count: bool = True,
     ) -> LookupResult:
         """``lookup``, answering which part of the hit memory holds (a load of it only copies).
 
@@ -140,9 +142,13 @@ class CacheEngine:
         the tokens). ``counted``: (tokens, hit tokens) earlier lookups of the
         same request counted; the counters then take only the rest, so each
         request's tokens count once (``lookup_repeats`` counts the repeats).
+        ``prefetch`` overrides the lookup stage's option of that name; without
+        ``count`` (a controller's command, not an inference engine's lookup)
+        nothing is counted, and the lookup runs whatever the engine's health.
         """
         return self.executor.lookup(tokens, pin=pin, tags=tags, lookup_id=lookup_id, request_id=request_id,
-                                    chunk_hashes=chunk_hashes, num_tokens=num_tokens, counted=counted)
+                                    chunk_hashes=chunk_hashes, num_tokens=num_tokens, counted=counted,
+                                    prefetch=prefetch, count=count)
 
     @overload
     def store(self, transfer: KVTransfer, /) -> StoreResult: ...
@@ -203,15 +209,11 @@ class CacheEngine:
     def held_tokens(self, chunk_hashes: Sequence[bytes], num_tokens: int, *,
                     tags: Mapping[str, str] | None = None) -> int:
         """How many of ``num_tokens`` tokens, chunked from the first and keyed by
-        ``chunk_hashes``, some tier holds now (whole chunks, contiguous from the
-        first). Runs no stage, takes no pin, counts nothing: a check before a load."""
-        keys = [key.to_str() for key in self.keys.prefix(tags).keys(chunk_hashes)]
-        held = 0
-        for tier in self.storage.find(keys):
-            if tier is None:
-                break
-            held += 1
-        return min(held * self.chunk_size, num_tokens)
+        ``chunk_hashes``, the tiers hold now (whole chunks, contiguous from the
+        first): the lookup list run as a check before a load (its ``tiers`` and
+        span as any lookup's), taking no pin, starting no prefetch, counting nothing."""
+        return self.executor.lookup(None, chunk_hashes=chunk_hashes, num_tokens=num_tokens, tags=tags,
+                                    prefetch=False, count=False).hit_tokens
 
     def release(self, lookup_id: Any) -> None:
         """Drop every pin ``lookup_id`` holds (a finished or aborted request)."""
@@ -282,7 +284,8 @@ class CacheEngine:
     def chunk_keys(self, request: Request, spans: Any = None) -> list[CacheKey]:
         """Keys of the request's chunks: every ``chunk_size`` tokens (a partial last one
         included), or of the given consecutive ``spans`` (from a segmenter)."""
-        return self.keys.of(request.tokens, request.tags, spans, hashes=request.chunk_hashes)
+        return self.keys.of(request.tokens, request.tags, spans, hashes=request.chunk_hashes,
+                            num_tokens=request.num_tokens)
 
 
 def _transfer(tokens: Any, keywords: dict[str, Any]) -> KVTransfer:

@@ -116,45 +116,43 @@ class Executor:
     def lookup(self, tokens: Any, *, pin: bool = False, tags: Mapping[str, str] | None = None,
                lookup_id: Any = None, request_id: str | None = None,
                chunk_hashes: Sequence[bytes] | None = None, num_tokens: int | None = None,
-               counted: tuple[int, int] | None = None) -> LookupResult:
+               counted: tuple[int, int] | None = None, prefetch: bool | None = None,
+               count: bool = True) -> LookupResult:
         """Whole chunks the tiers hold, contiguous from token 0, and which of them memory holds.
 
         Given ``chunk_hashes`` (and ``num_tokens``) instead of ``tokens``, the
-        chunks are keyed by those hashes; the request then carries -1 for
-        every token (no stage of a lookup list reads them). ``counted`` is
-        (tokens, hit tokens) that earlier lookups of the same request counted:
-        this one is then a repeat, and counts only what they did not.
+        chunks are keyed by those hashes and the request carries no tokens
+        (the stages that read tokens say they do not accept hashes).
+        ``counted`` is (tokens, hit tokens) that earlier lookups of the same
+        request counted: this one is then a repeat, and counts only what they
+        did not. ``prefetch`` overrides the lookup stage's option of that name.
+        Without ``count`` (not an inference engine's lookup: a check before a
+        load, a controller's command) the engine counts nothing of it, and it
+        runs whatever the engine's health.
         """
-        if not self.healthy():
+        if count and not self.healthy():
             self.skipped()
             return LookupResult(0, 0)
         if pin and lookup_id is None:
             raise ValueError("lookup(pin=True) needs a lookup_id to release the pins by")
-        if tokens is None:
-            if chunk_hashes is None or num_tokens is None:
-                raise ValueError("lookup needs tokens, or chunk_hashes and num_tokens")
-            token_ids = torch.full((num_tokens,), -1, dtype=torch.int64)
-        else:
-            token_ids = as_tokens(tokens)
+        if tokens is None and (chunk_hashes is None or num_tokens is None):
+            raise ValueError("lookup needs tokens, or chunk_hashes and num_tokens")
+        request = Request(tokens=None if tokens is None else as_tokens(tokens),
+                          length=num_tokens if tokens is None else None, tags=dict(tags or {}),
+                          lookup_id=lookup_id, pin=pin, prefetch=prefetch, request_id=request_id,
+                          chunk_hashes=chunk_hashes)
         started = time.perf_counter()
         self.services.storage.expire_pins()
-        request = Request(tokens=token_ids, tags=dict(tags or {}), lookup_id=lookup_id,
-                          pin=pin, request_id=request_id, chunk_hashes=chunk_hashes)
-        hits = self._run_whole("lookup", request)
-        self.accounting.observe("lookup", started)
+        self._run_whole("lookup", request)
         hit = request.hit_tokens or 0
-        count = self.accounting.count
-        counted_tokens, counted_hits = counted or (0, 0)
-        count("lookup_repeats" if counted_tokens else "lookups")
-        count("lookup_requested_tokens", max(0, request.num_tokens - counted_tokens))
-        count("lookup_hit_tokens", max(0, hit - counted_hits))
-        holds_objects = self.services.storage.holds_objects
-        memory = 0
-        for chunk in hits:
-            if not isinstance(chunk, Chunk) or not (chunk.skip or holds_objects(chunk.tier)):
-                break
-            memory = chunk.end
-        return LookupResult(hit, min(memory, hit))
+        if count:
+            self.accounting.observe("lookup", started)
+            count = self.accounting.count
+            counted_tokens, counted_hits = counted or (0, 0)
+            count("lookup_repeats" if counted_tokens else "lookups")
+            count("lookup_requested_tokens", max(0, request.num_tokens - counted_tokens))
+            count("lookup_hit_tokens", max(0, hit - counted_hits))
+        return LookupResult(hit, min(request.memory_tokens, hit), request.lookup_chunks, request.hit_chunks)
 
     def _request(self, transfer: KVTransfer) -> Request:
         request = transfer.request(self.services.chunk_size)

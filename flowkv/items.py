@@ -23,14 +23,15 @@ if TYPE_CHECKING:
     from flowkv.kernels import KVGeometry
     from flowkv.keys import CacheKey, ChunkKeys
     from flowkv.pipeline_model import BlendSpec
-    from flowkv.tiers.chain import StorageManager
+    from flowkv.tiers.manager import StorageManager
 
 
 @attrs.define(eq=False)
 class Request:
     """One store, retrieve or lookup call, as the engine received it."""
 
-    tokens: torch.Tensor  # 1-D int64 token ids
+    # 1-D int64 token ids; None for a lookup by chunk hashes (``chunk_hashes`` and ``length``).
+    tokens: torch.Tensor | None
     # Paged KV caches of the inference engine, one tensor per layer (None for lookup).
     kv_caches: list[torch.Tensor] | None = None
     slot_mapping: torch.Tensor | None = None  # 1-D int64, one slot per token; -1 = skip
@@ -38,6 +39,8 @@ class Request:
     request_id: str | None = None
     lookup_id: str | None = None  # pins taken by lookup belong to this id
     pin: bool = False  # lookup: pin what it finds
+    # Lookup: start promoting hits below memory (None: as the lookup stage's ``prefetch`` says).
+    prefetch: bool | None = None
     # Filled by retrieve: True for every token whose KV was loaded.
     ret_mask: torch.Tensor | None = None
     # Tokens at the start whose KV the inference engine already holds (the caller's
@@ -51,13 +54,20 @@ class Request:
     # tokens[0]) when the caller has them: the vLLM scheduler hashes a request
     # once and sends hashes, so chunk-hash makes keys without reading tokens.
     chunk_hashes: Sequence[bytes] | None = None
+    # The token count of a request that came as chunk hashes, without its tokens.
+    length: int | None = None
+    # Filled by lookup: tokens [0, memory_tokens) of the hit are in object tiers (a load only copies),
+    # and how many chunks it was asked for and found (``lookup_chunks``, ``hit_chunks``).
+    memory_tokens: int = 0
+    lookup_chunks: int = 0
+    hit_chunks: int = 0
     # Filled by retrieve: segment chunks found stored at another position than the one
     # they are loaded at, as (start, end, stored_start); their keys need re-rotating.
     moved: list[tuple[int, int, int]] = attrs.field(factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return int(self.tokens.numel())
+        return int(self.tokens.numel()) if self.tokens is not None else int(self.length or 0)
 
     @property
     def tenant(self) -> str:
@@ -130,7 +140,8 @@ class Services:
         segment keys when ``segment_starts`` says where each span's segment begins."""
         if segment_starts is not None:
             return self.keys.of(request.tokens, request.tags, spans, segment_starts=segment_starts)
-        return self.keys.of(request.tokens, request.tags, spans, hashes=request.chunk_hashes)
+        return self.keys.of(request.tokens, request.tags, spans, hashes=request.chunk_hashes,
+                            num_tokens=request.num_tokens)
 
     def count(self, name: str, n: float = 1) -> None:
         self.counters.count(name, n)

@@ -656,7 +656,8 @@ class ChunkKeys:
     def of(self, tokens: Any, tags: Mapping[str, str] | None = None,
            spans: Sequence[tuple[int, int]] | None = None, *,
            hashes: Sequence[bytes] | None = None,
-           segment_starts: Sequence[int] | None = None) -> list[CacheKey]:
+           segment_starts: Sequence[int] | None = None,
+           num_tokens: int | None = None) -> list[CacheKey]:
         """Keys of every ``chunk_size`` tokens (a partial last one included), or of the
         given consecutive ``spans`` (from a segmenter).
 
@@ -666,15 +667,18 @@ class ChunkKeys:
 
         ``hashes`` are the chunks' chained hashes when the caller has them (the
         vLLM scheduler hashes a request once and sends them): the keys are made
-        from them, and the tokens are not read. They key fixed-size chunks only.
+        from them, and the tokens are not read (``tokens`` may then be None, with
+        ``num_tokens`` the count). They key fixed-size chunks only.
         """
         prefix = self.prefix(tags)
         if segment_starts is not None:
-            if hashes is not None or spans is None:
+            if hashes is not None or spans is None or tokens is None:
                 raise ValueError("segment keys need the spans and are hashed from the tokens, not given hashes")
             return prefix.keys(segment_hashes(tokens, spans, segment_starts, self.hash_fn))
         if hashes is not None:
-            return self._given(prefix, len(tokens), spans, hashes)
+            return self._given(prefix, len(tokens) if tokens is not None else int(num_tokens or 0), spans, hashes)
+        if tokens is None:
+            raise ValueError("keys of a request that came without its tokens need its chunk hashes")
         array_ = np.ascontiguousarray(tokens.numpy() if hasattr(tokens, "numpy") else np.asarray(tokens))
         num_tokens = len(array_)
         digest = xxhash.xxh3_128_digest(array_)  # no copy when contiguous

@@ -158,6 +158,9 @@ def segment(
     keep_open_tail = ctx.kind != "store" or services.save_partial_chunks
     width = len(separator)
     for request in requests:
+        if request.tokens is None:
+            raise ValueError("stage 'segment' cuts at separator tokens: this request came as chunk hashes, "
+                             "without its tokens")
         tokens = request.tokens.tolist()
         cuts = segment_ends(tokens, separator, limit)
         closed = len(tokens) >= width and tokens[len(tokens) - width:] == separator

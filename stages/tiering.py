@@ -1,6 +1,6 @@
 """Stages that talk to tiers: allocate and put on the store side, lookup and get on retrieve.
 
-They reach the tiers through ``ctx.services.storage`` (``flowkv.tiers.chain.StorageManager``),
+They reach the tiers through ``ctx.services.storage`` (``flowkv.tiers.manager.StorageManager``),
 which walks them in the order the pipeline file declares them. What a stage
 may choose is its own option: which tiers ``put`` writes and ``lookup`` asks,
 whether ``lookup`` prefetches hits below memory, whether ``get`` promotes
@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from flowkv import payload as payloads
-from flowkv.items import Chunk, RunContext
+from flowkv.items import Chunk, RunContext, Services
 from flowkv.registry import Role, stage
-from flowkv.tiers.chain import Entry
+from flowkv.tiers.manager import Entry
 
 
 @stage("allocate", kinds=("store",), needs={"key"}, gives={"buffer"}, role=Role.ALLOCATOR)
@@ -79,26 +79,36 @@ def put(chunks: Iterator[Chunk], *, ctx: RunContext, tiers: list[str] | None = N
     services = ctx.services
     storage = services.storage
     names = tiers or storage.order
-    try:
-        for chunk in chunks:
-            for name in names:
-                # Object tiers commit the run's chunks together when the stage ends (one call each).
-                nbytes = storage.put(name, chunk.key_str, obj=chunk.obj, kv=chunk.kv, payload=chunk.payload,
-                                     later=True, tenant=chunk.request.tenant)
-                if chunk.obj is not None and "codec" in chunk.obj.meta:
-                    chunk.kv = None  # memory keeps the encoding in the chunk's own pages: the raw view is gone
-                if nbytes:
-                    services.count(f"tier.{name}.written_bytes", nbytes)
-                    ctx.record(bytes=nbytes, tier=name)
-            yield chunk
-            # Downstream stages (a later put for other tiers) are done with this chunk
-            # once the yield returns; a payload kept per chunk until the run ends
-            # would double a store's memory.
-            chunk.payload = None
-    finally:
-        # Every chunk that reached this stage is whole: commit them however the run ends.
-        for name, nbytes in storage.commit().items():
-            services.count(f"tier.{name}.written_bytes", nbytes)
+    # Object tiers commit the run's chunks together (one call each) at the end of this
+    # stage's input, in its span; a run that ends before (a failed stage, a downstream
+    # stage that stops pulling) commits at its end, through ctx.defer: every chunk that
+    # reached this stage is whole. Deferred once the first chunk is here, so that commit
+    # runs before upstream cleanups (allocate's release of the store's own references).
+    batch = None
+    for chunk in chunks:
+        if batch is None:
+            batch = storage.batch()
+            ctx.defer(lambda batch=batch: _count_written(services, batch.commit()))
+        for name in names:
+            nbytes = batch.put(name, chunk.key_str, obj=chunk.obj, kv=chunk.kv, payload=chunk.payload,
+                               tenant=chunk.request.tenant)
+            if chunk.obj is not None and "codec" in chunk.obj.meta:
+                chunk.kv = None  # memory keeps the encoding in the chunk's own pages: the raw view is gone
+            if nbytes:
+                services.count(f"tier.{name}.written_bytes", nbytes)
+                ctx.record(bytes=nbytes, tier=name)
+        yield chunk
+        # Downstream stages (a later put for other tiers) are done with this chunk
+        # once the yield returns; a payload kept per chunk until the run ends
+        # would double a store's memory.
+        chunk.payload = None
+    if batch is not None:
+        _count_written(services, batch.commit())
+
+
+def _count_written(services: Services, written: dict[str, int]) -> None:
+    for name, nbytes in written.items():
+        services.count(f"tier.{name}.written_bytes", nbytes)
 
 
 @stage("lookup", kinds=("retrieve", "lookup"), needs={"key"}, gives={"hit"}, role=Role.LOOKUP)
@@ -141,6 +151,15 @@ def lookup(
         chunk.tier = tier_name
         hit.append(chunk)
     request.hit_tokens = hit[-1].end if hit else 0
+    request.lookup_chunks, request.hit_chunks = len(pending), len(hit)
+    # What of the hit object tiers hold (masked chunks count): a load of it only copies.
+    request.memory_tokens = 0
+    for chunk in hit:
+        if not (chunk.skip or storage.holds_objects(chunk.tier)):
+            break
+        request.memory_tokens = chunk.end
+    if request.prefetch is not None:
+        prefetch = request.prefetch  # the caller's choice (a check before a load, a controller's command)
     if ctx.kind == "lookup":
         below = [c for c in hit if c.tier is not None and not storage.holds_objects(c.tier)]
         if prefetch and below:

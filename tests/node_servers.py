@@ -231,6 +231,14 @@ def server_pipeline(folder: Path, disk: Path, *, codec: str = "none", traces: Pa
 # -- engine-level clients ---------------------------------------------------------------
 
 
+def scraped(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A ``/metrics`` page's samples, read by prometheus_client's parser: (name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def geometry() -> Any:
     from flowkv.kernels import KVGeometry
 

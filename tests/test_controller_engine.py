@@ -17,6 +17,7 @@ from flowkv import CacheEngine
 from flowkv._testing.paged import make_paged_kv, random_slot_mapping
 from flowkv.fleet.holder import EngineHolder
 from flowkv.fleet.reporter import ReporterConfig
+from flowkv.items import Request
 from flowkv.kernels import KVGeometry
 
 CHUNK = 64
@@ -31,7 +32,7 @@ def fleet(tmp_path):
     # Memory holds 3 chunks; the disk holds everything.
     engine = CacheEngine.from_pipeline("cpu-disk", geometry=geometry, model_name="tiny", overrides={
         "chunk_size": CHUNK, "tiers.memory.capacity": 3 * chunk_bytes + 8192,
-        "tiers.disk.path": str(tmp_path / "disk")})
+        "tiers.disk.path": str(tmp_path / "disk"), "save_partial_chunks": True})
     lock = threading.Lock()
     holder = EngineHolder(engine, lock, ReporterConfig(url=controller.url, heartbeat_s=0.3,
                                                      token_file=str(controller.token_file)),
@@ -44,8 +45,8 @@ def fleet(tmp_path):
     controller.close()
 
 
-def store(engine, lock, geometry, seed: int, chunks: int = 3) -> list[int]:
-    ids = torch.randint(0, 32000, (chunks * CHUNK,), generator=torch.Generator().manual_seed(seed))
+def store(engine, lock, geometry, seed: int, chunks: int = 3, extra: int = 0) -> list[int]:
+    ids = torch.randint(0, 32000, (chunks * CHUNK + extra,), generator=torch.Generator().manual_seed(seed))
     kv = make_paged_kv(geometry, NUM_BLOCKS, seed=seed)
     slots = random_slot_mapping(len(ids), geometry, NUM_BLOCKS, seed=seed)
     with lock:
@@ -92,3 +93,21 @@ def test_memory_and_disk_chunks_are_in_the_directory_and_commands_run_on_the_eng
     # The engine's counters reach the controller with the heartbeats.
     wait_for(lambda: controller.instance("in-process")["stats"]["counters"].get("stores", 0) >= 2,
              "heartbeats carry the engine's counters")
+
+
+def test_a_prefetch_command_is_the_engines_lookup_a_partial_last_chunk_included(fleet):
+    """The controller's prefetch runs the engine's lookup list: the last chunk, shorter than the
+    others, is found and promoted at its own shape (not one of a whole chunk)."""
+    controller, engine, lock, holder, geometry = fleet
+    first = store(engine, lock, geometry, seed=3, chunks=2, extra=CHUNK // 2)
+    keys = [key.to_str() for key in engine.chunk_keys(Request(tokens=torch.tensor(first)))]
+    with lock:
+        engine.memory.clear()  # on disk only
+        assert len(keys) == 3 and not any(engine.memory.contains(key) for key in keys)
+        lookups = engine.stats().get("lookups", 0)
+    reply = controller.post("/prefetch", {"instance_id": "in-process", "token_ids": first, "wait_s": 60})
+    assert [r["detail"] for r in reply["results"].values()] == ["prefetch 3 of 3 chunks"]
+    wait_for(lambda: all(engine.memory.contains(key) for key in keys), "the three chunks promoted into memory")
+    with lock:
+        stats = engine.stats()
+    assert stats.get("corrupt_payloads", 0) == 0 and stats.get("lookups", 0) == lookups  # a command, no lookup

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from flowkv import CacheEngine, KVTransfer
+from flowkv import CacheEngine, KVTransfer, telemetry
 from flowkv._testing.paged import make_paged_kv, random_slot_mapping
 from flowkv.kernels import KVGeometry
 from flowkv.keys import chain_hashes
+from flowkv.otlp_json import load_spans
+from flowkv.pipeline import dumps_pipeline, loads_pipeline
 
 CHUNK = 32
 NUM_BLOCKS = 64
@@ -62,3 +65,42 @@ def test_a_repeated_lookup_counts_only_what_the_first_did_not():
     assert (first.hit_tokens, again.hit_tokens) == (2 * CHUNK, 4 * CHUNK)
     assert (stats["lookups"], stats["lookup_repeats"]) == (1, 1)
     assert (stats["lookup_requested_tokens"], stats["lookup_hit_tokens"]) == (4 * CHUNK, 4 * CHUNK)
+
+
+def disk_engine(tmp_path, *, lookup_tiers: list[str] | None = None) -> CacheEngine:
+    """Memory in front of a disk tier, its lookup stage asking ``lookup_tiers`` (default: all), traced to files."""
+    text = dumps_pipeline(
+        pipeline={"name": "held", "chunk_size": CHUNK, "hash": "sha256"},
+        tiers={"memory": {"kind": "memory", "capacity": "4MiB", "pin_memory": False},
+               "disk": {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "64MiB"}},
+        store=["tokenize", "chunk-hash", "allocate", "gather", "put"],
+        retrieve=["tokenize", "chunk-hash", ("lookup", {"tiers": lookup_tiers} if lookup_tiers else {}), "get",
+                  "decompress", "scatter"],
+        sections={"telemetry": {"exporter": "file", "folder": str(tmp_path / "traces")}},
+    )
+    return CacheEngine(loads_pipeline(text), geometry=GEOMETRY, model_name="tiny")
+
+
+@pytest.mark.parametrize("lookup_tiers", [None, ["memory"]])
+def test_held_tokens_runs_the_lookup_list_as_a_check(tmp_path, lookup_tiers):
+    """A check before a load: the lookup stage's own ``tiers`` and a span, no pin, no prefetch, nothing counted."""
+    e = disk_engine(tmp_path, lookup_tiers=lookup_tiers)
+    try:
+        ids = tokens(4 * CHUNK, seed=5)
+        e.store(KVTransfer(tokens=ids, kv_caches=SRC, slot_mapping=SLOTS[: len(ids)]))
+        assert e.flush(10.0)
+        e.memory.clear()  # the chunks are on disk only
+        before = e.stats()
+        held = e.held_tokens(chain_hashes(ids, CHUNK, "sha256"), len(ids))
+        assert held == (0 if lookup_tiers == ["memory"] else 4 * CHUNK)
+        after = e.stats()
+        for name in ("lookups", "lookup_requested_tokens", "lookup_hit_tokens", "prefetches", "promotions"):
+            assert after.get(name, 0) == before.get(name, 0), name
+        assert len(e.memory) == 0 and after["tiers"]["memory"]["pinned_objects"] == 0
+        telemetry.flush()
+        spans = [s for f in (tmp_path / "traces").glob("flowkv-*.json") for s in load_spans(f)]
+        by_id = {s.span_id: s for s in spans}
+        [lookup] = [s for s in spans if s.name == "lookup"]
+        assert by_id[lookup.parent_span_id].name == "flowkv.lookup"
+    finally:
+        e.close()

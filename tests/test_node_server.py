@@ -29,6 +29,7 @@ from node_servers import (  # noqa: F401 - node_servers is a fixture
     engine,
     geometry,
     keys_of,
+    scraped,
     kv_for,
     node_pipeline,
     node_servers,
@@ -110,9 +111,10 @@ def test_status_command_and_prometheus_metrics(server, pipeline):
     assert f"{status['memory']['entries']} entries" in text and "1 connected" in text
     metrics = urllib.request.urlopen(server.fields["metrics"], timeout=10).read().decode()
     entries = server.status()["memory"]["entries"]
-    assert f"flowkv_server_memory_entries {entries}" in metrics
+    samples = scraped(metrics)
+    assert samples[("flowkv_server_memory_entries", ())] == entries
     assert "# TYPE flowkv_server_committed_chunks_total counter" in metrics
-    assert f"flowkv_server_memory_resident_bytes {done_status['memory']['resident_bytes']}" in metrics
+    assert samples[("flowkv_server_memory_resident_bytes", ())] == done_status['memory']['resident_bytes']
 
 
 def test_models_and_tags_never_share_an_entry(server, pipeline):

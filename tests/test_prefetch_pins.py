@@ -18,7 +18,7 @@ import pytest
 
 from flowkv import CacheEngine
 from flowkv.testing import ManualClock
-from flowkv.tiers.chain import Entry
+from flowkv.tiers.manager import Entry
 from redis_servers import RedisServer, own_redis_server  # noqa: F401 - pytest fixture
 from test_tier_chain import (
     GEOMETRY,

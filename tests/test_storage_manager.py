@@ -1,4 +1,4 @@
-"""The storage manager (flowkv.tiers.chain) on its own, and a user's tier written to the public contract.
+"""The storage manager (flowkv.tiers.manager) on its own, and a user's tier written to the public contract.
 
 The manager is built the way the engine builds it: tier instances in lookup
 order, memory included. The byte tier here is ``DictTier`` below: what a
@@ -21,7 +21,7 @@ from flowkv.kernels import KVGeometry, gather
 from flowkv.pipeline import dumps_pipeline, loads_pipeline
 from flowkv.testing import make_paged_kv, random_slot_mapping
 from flowkv.tiers import MemoryTier, MemoryTierConfig, StorageManager, Tier, TierHealth
-from flowkv.tiers.chain import Entry, TierEvent
+from flowkv.tiers.manager import Entry, TierEvent
 
 SHAPE = (2, 2, 64, 2, 16)  # one chunk (layers, kv, tokens, heads, head size): 16 KiB of fp16
 SLAB = 16 * 1024  # one raw chunk: four fit in memory
@@ -182,5 +182,46 @@ def test_the_user_tier_serves_an_engine_from_a_pipeline_file():
         assert len(engine.memory) == 0  # promote = false: read from the user's tier, not copied up
         out = [torch.empty(g.chunk_shape(96), dtype=g.dtype) for _ in range(2)]
         assert torch.equal(gather(dst, g, slots, out[0]), gather(src, g, slots, out[1]))
+    finally:
+        engine.close()
+
+
+# -- a store batch is its caller's own ---------------------------------------------------
+
+
+@flowkv.stage("put-forgetful", kinds=("store",), needs={"kv"}, gives={"stored"}, role=flowkv.Role.TIER_IO)
+def put_forgetful(chunks, *, ctx):
+    """A user's put stage: its chunks through a store batch, never committed for requests tagged ``forget``."""
+    batch = ctx.services.storage.batch()
+    forget = False
+    for chunk in chunks:
+        forget = "forget" in chunk.request.tags
+        batch.put("memory", chunk.key_str, obj=chunk.obj, kv=chunk.kv, tenant=chunk.request.tenant)
+        yield chunk
+    if not forget:
+        batch.commit()
+
+
+def test_a_store_batch_never_committed_stores_nothing_and_leaks_into_no_later_store():
+    g = KVGeometry("cpu", num_layers=2, num_kv_heads=2, head_size=16, block_size=16, dtype=torch.bfloat16)
+    text = dumps_pipeline(
+        pipeline={"name": "forgetful", "chunk_size": 32},
+        tiers={"memory": {"kind": "memory", "capacity": "4MiB", "pin_memory": False}},
+        store=["tokenize", "chunk-hash", "allocate", "gather", f"{__name__}:put_forgetful"],
+        retrieve=["tokenize", "chunk-hash", "lookup", "get", "decompress", "scatter"],
+    )
+    engine = CacheEngine(loads_pipeline(text), geometry=g, model_name="tiny")
+    try:
+        src = make_paged_kv(g, 16, seed=1)
+        slots = random_slot_mapping(96, g, 16, seed=3)
+        forgotten, kept = torch.arange(96), torch.arange(96) + 1000
+        engine.store(KVTransfer(tokens=forgotten, kv_caches=src, slot_mapping=slots, tags={"forget": "1"}))
+        memory = engine.stats()["tiers"]["memory"]
+        assert memory["entries"] == 0 and memory["used_bytes"] == 0  # its rooms went back with the run
+        # The next store on this thread commits its own chunks only.
+        engine.store(KVTransfer(tokens=kept, kv_caches=src, slot_mapping=slots))
+        assert engine.stats()["tiers"]["memory"]["entries"] == 3
+        assert engine.lookup(kept) == 96
+        assert engine.lookup(forgotten, tags={"forget": "1"}) == 0
     finally:
         engine.close()

@@ -33,7 +33,7 @@ from flowkv.bench.tenants import (CHUNK_TOKENS, DOC_CHUNKS, flood, flood_geometr
 from flowkv.tenants import tenant_of
 from flowkv.tiers.node_protocol import NodeConnection
 
-from node_servers import node_servers  # noqa: F401  (fixture)
+from node_servers import node_servers, scraped  # noqa: F401  (fixture)
 
 MIB = 2**20
 A_DOCS, B_DOCS = 40, 4
@@ -304,10 +304,11 @@ def test_node_server_metrics_carry_a_tenant_label(node_servers):  # noqa: F811
     with urllib.request.urlopen(url, timeout=10) as reply:
         text = reply.read().decode()
     a, b = result["tenants"]["A"], result["tenants"]["B"]
-    assert f'flowkv_server_tenant_evictions_total{{tenant="A"}} {a["evictions"]}' in text
-    assert f'flowkv_server_tenant_hits_total{{tenant="B"}} {b["hits"]}' in text
-    assert f'flowkv_server_tenant_quota_bytes{{tenant="B"}} {QUOTA}' in text
-    assert f'flowkv_server_tenant_entries{{tenant="B"}} {B_DOCS * DOC_CHUNKS}' in text
+    samples = scraped(text)
+    assert samples[("flowkv_server_tenant_evictions_total", (("tenant", "A"),))] == a["evictions"]
+    assert samples[("flowkv_server_tenant_hits_total", (("tenant", "B"),))] == b["hits"]
+    assert samples[("flowkv_server_tenant_quota_bytes", (("tenant", "B"),))] == QUOTA
+    assert samples[("flowkv_server_tenant_entries", (("tenant", "B"),))] == B_DOCS * DOC_CHUNKS
 
 
 def test_vllm_metrics_count_each_tenant_under_its_label():

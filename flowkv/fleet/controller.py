@@ -30,6 +30,7 @@ from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 from pydantic import BaseModel, Field
 
+from flowkv.exposition import exposition, family
 from flowkv.fleet.access import Access, AccessMiddleware
 from flowkv.fleet.directory import Directory
 from flowkv.fleet.protocol import (
@@ -267,28 +268,20 @@ def _asset(name: str) -> str:
 
 def _prometheus(directory: Directory) -> str:
     snapshot = directory.metrics()
-    lines = [
-        "# HELP flowkv_controller_instances Instances known to the controller, by state.",
-        "# TYPE flowkv_controller_instances gauge",
-    ]
-    for state in ("up", "down"):
-        lines.append(f'flowkv_controller_instances{{state="{state}"}} {snapshot["states"].get(state, 0)}')
-    lines += ["# HELP flowkv_controller_chunks Chunk keys the directory holds per instance and rank.",
-              "# TYPE flowkv_controller_chunks gauge"]
-    for (instance_id, rank), count in sorted(snapshot["chunks"].items()):
-        lines.append(f'flowkv_controller_chunks{{instance="{_label(instance_id)}",rank="{rank}"}} {count}')
-    lines += ["# HELP flowkv_controller_messages_total Registrations, snapshots, events, lookups, commands.",
-              "# TYPE flowkv_controller_messages_total counter"]
-    for name, value in sorted(snapshot["counters"].items()):
-        lines.append(f'flowkv_controller_messages_total{{kind="{name}"}} {value}')
-    lines += ["# HELP flowkv_instance_counter An instance's flowkv counters, as its last heartbeat said.",
-              "# TYPE flowkv_instance_counter gauge"]
-    for (instance_id, rank), stats in sorted(snapshot["stats"].items()):
-        for name, value in sorted((stats.get("counters") or {}).items()):
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                lines.append(f'flowkv_instance_counter{{instance="{_label(instance_id)}",rank="{rank}",'
-                             f'name="{_label(name)}"}} {value}')
-    return "\n".join(lines) + "\n"
+    return exposition([
+        family("gauge", "flowkv_controller_instances", "Instances known to the controller, by state.",
+               [({"state": state}, snapshot["states"].get(state, 0)) for state in ("up", "down")]),
+        family("gauge", "flowkv_controller_chunks", "Chunk keys the directory holds per instance and rank.",
+               [({"instance": instance_id, "rank": rank}, count)
+                for (instance_id, rank), count in sorted(snapshot["chunks"].items())]),
+        family("counter", "flowkv_controller_messages_total",
+               "Registrations, snapshots, events, lookups, commands.",
+               [({"kind": name}, value) for name, value in sorted(snapshot["counters"].items())]),
+        family("gauge", "flowkv_instance_counter", "An instance's flowkv counters, as its last heartbeat said.",
+               [({"instance": instance_id, "rank": rank, "name": name}, value)
+                for (instance_id, rank), stats in sorted(snapshot["stats"].items())
+                for name, value in sorted((stats.get("counters") or {}).items())]),
+    ])
 
 
 def _fleet_tenants(directory: Directory) -> dict[str, dict[str, int]]:
@@ -311,16 +304,10 @@ def _tenant_prometheus(directory: Directory) -> str:
     tenants = _fleet_tenants(directory)
     if not tenants:
         return ""
-    lines: list[str] = []
-    for field, kind, text in _TENANT_METRICS:
-        name = f"flowkv_fleet_tenant_{field}" + ("_total" if kind == "counter" else "")
-        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
-        lines += [f'{name}{{tenant="{_label(label)}"}} {numbers[field]}' for label, numbers in tenants.items()]
-    return "\n".join(lines) + "\n"
-
-
-def _label(value: str) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return exposition(
+        family(kind, f"flowkv_fleet_tenant_{field}" + ("_total" if kind == "counter" else ""), text,
+               [({"tenant": label}, numbers[field]) for label, numbers in tenants.items()])
+        for field, kind, text in _TENANT_METRICS)
 
 
 def serve(app: FastAPI, host: str, port: int, *, name: str, log_level: str = "info",

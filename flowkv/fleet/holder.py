@@ -13,7 +13,7 @@ in-process pipeline, a node server's storage) needs to join the fleet::
 It registers the engine's pipeline (tiers in order, chunk size, hash
 function), reports every tier event through a :class:`Reporter`, heartbeats
 with the engine's counters and tier fill, and runs ``clear`` (memory-tier
-chunks, each removal an event), ``pin`` and ``prefetch`` (the contiguous
+chunks, each removal an event), ``pin`` and ``prefetch`` (lookup runs of the engine: the contiguous
 prefix the tiers hold, kept or promoted into memory for ``ttl_s``).
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 from flowkv.fleet.node import shared_server_ids
 from flowkv.fleet.protocol import Command, CommandResult, Registration, TierInfo
 from flowkv.fleet.reporter import Reporter, ReporterConfig, new_session
-from flowkv.keys import tags_digest
+from flowkv.keys import CacheKey, tags_digest
 from flowkv.tenants import tier_reports
 
 __all__ = ["EngineHolder"]
@@ -98,7 +98,7 @@ class EngineHolder:
         if storage.staging in wanted and storage.staging not in self._not_reported:
             with self._lock:
                 for key in list(storage.memory.keys()):
-                    if digest is not None and key.rsplit("/", 2)[-2] != digest:
+                    if digest is not None and _tags_digest_of(key) != digest:
                         continue
                     removed += bool(storage.remove(key))  # each removal goes out as an event
         detail = f"removed {removed} chunks from {storage.staging}"
@@ -108,26 +108,18 @@ class EngineHolder:
         return CommandResult(id=command.id, ok=True, detail=detail)
 
     def _pin_or_prefetch(self, command: Command) -> CommandResult:
-        from flowkv.tiers.chain import Entry
-
-        engine, storage = self._engine, self._storage
+        """A lookup run of the engine's own lookup list for ``owner``: ``pin`` pins the memory hits,
+        ``prefetch`` promotes the hits below memory (each pinned when it lands); counted as no lookup."""
         owner = ("flowkv-controller", command.op, command.id)
+        pin = command.op == "pin"
         with self._lock:
-            keys = [key.to_str() for key in engine.keys.of(command.token_ids, command.tags or None)]
-            prefix = []
-            for key, tier in zip(keys, storage.find(keys)):
-                if tier is None:
-                    break
-                prefix.append((key, tier))
-            if command.op == "pin":
-                storage.pin(prefix, owner)
-            else:
-                shape = tuple(engine.geometry.chunk_shape(engine.chunk_size))
-                storage.prefetch([Entry(key, tier, shape, engine.geometry.dtype) for key, tier in prefix], owner)
+            found = self._engine.lookup_result(command.token_ids, tags=command.tags or None, lookup_id=owner,
+                                               pin=pin, prefetch=not pin, count=False)
         timer = threading.Timer(command.ttl_s, self._release, args=(owner,))
         timer.daemon = True
         timer.start()
-        return CommandResult(id=command.id, ok=True, detail=f"{command.op} {len(prefix)} of {len(keys)} chunks")
+        return CommandResult(id=command.id, ok=True,
+                             detail=f"{command.op} {found.hit_chunks} of {found.chunks} chunks")
 
     def _release(self, owner: Any) -> None:
         with self._lock:
@@ -137,3 +129,11 @@ class EngineHolder:
 def _capacity(config: Any) -> int | None:
     capacity = getattr(config, "capacity", None)
     return capacity if isinstance(capacity, int) else None
+
+
+def _tags_digest_of(key: str) -> str | None:
+    """The tags digest of a chunk key (None for a string that is no flowkv key)."""
+    try:
+        return CacheKey.from_str(key).prefix.tags_digest
+    except ValueError:
+        return None

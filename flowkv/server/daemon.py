@@ -65,7 +65,7 @@ from flowkv.memory import MemoryArena
 from flowkv.pipeline_model import Pipeline, TelemetrySpec
 from flowkv.resident import PREFAULT_MODES, ResidentBuffer
 from flowkv.tiers import node_protocol as wire
-from flowkv.tiers.chain import Entry, StorageManager, TierEvent
+from flowkv.tiers.manager import Entry, StorageManager, TierEvent
 from flowkv.tiers.memory import MemoryTier
 from flowkv.server.leases import LeaseTable, Session
 from flowkv.tenants import DEFAULT_TENANT, clean_tenant
@@ -192,21 +192,14 @@ class NodeServer:
     # -- the tiers -------------------------------------------------------------
 
     def _storage(self) -> StorageManager:
+        """The server's arena as the memory tier, then the pipeline's byte tiers (its object tiers: the arena)."""
         pipeline = self.options.pipeline
-        tiers: dict[str, Any] = {"memory": self.memory}
-        guards: dict[str, Any] = {}
         pin_timeout_s = self.options.max_pin_s
         if pipeline is not None:
             pin_timeout_s = min(pin_timeout_s, pipeline.section.pin_timeout_s)
-            for name, spec in pipeline.tiers.items():
-                if spec.info.holds == "objects":
-                    continue  # the server's own arena is the memory tier (sized by --memory)
-                if name == "memory":
-                    raise ValueError(f"tier {name!r} of {pipeline.source}: the name 'memory' is the server's arena")
-                tiers[name] = spec.info.cls(name=name, config=spec.config)
-                guards[name] = spec.guard
-        return StorageManager(tiers, slab_bytes=self.options.slab_bytes, pin_timeout_s=pin_timeout_s,
-                              guards=guards, counters=self.counters)
+        return StorageManager.from_specs(pipeline.tiers if pipeline is not None else {},
+                                         slab_bytes=self.options.slab_bytes, pin_timeout_s=pin_timeout_s,
+                                         counters=self.counters, arena=self.memory)
 
     # -- events for a fleet controller ------------------------------------------
 

@@ -1,7 +1,8 @@
 """Prometheus metrics of a node server (``--metrics-port``), in the text exposition format.
 
 Served on loopback by default from a thread of its own at ``/metrics``;
-every scrape reads the server's status. Names: ``flowkv_server_*``.
+every scrape reads the server's status (written out by ``prometheus_client``,
+:mod:`flowkv.exposition`). Names: ``flowkv_server_*``.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import http.server
 import threading
 from typing import Any
+
+from flowkv.exposition import exposition, family
 
 __all__ = ["render", "serve_metrics"]
 
@@ -56,38 +59,28 @@ def _dig(status: dict[str, Any], path: tuple[str, ...]) -> Any:
 
 def render(status: dict[str, Any]) -> str:
     """The status as Prometheus text."""
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, text: str, value: Any, labels: str = "") -> None:
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            return
-        lines.append(f"# HELP flowkv_server_{name} {text}")
-        lines.append(f"# TYPE flowkv_server_{name} {kind}")
-        lines.append(f"flowkv_server_{name}{labels} {value}")
-
-    for name, kind, text, path in _GAUGES:
-        metric(name, kind, text, _dig(status, path))
+    families = [family(kind, f"flowkv_server_{name}", text, [({}, _dig(status, path))])
+                for name, kind, text, path in _GAUGES]
     requests = status.get("requests", {})
-    for name, text in _REQUESTS:
-        metric(f"{name}_total", "counter", text, requests.get(name, 0))
-    _render_tenants(lines, (status.get("memory") or {}).get("tenants") or {})
+    families += [family("counter", f"flowkv_server_{name}_total", text, [({}, requests.get(name, 0))])
+                 for name, text in _REQUESTS]
+    tenants = (status.get("memory") or {}).get("tenants") or {}
+    families += [family(kind, f"flowkv_server_{name}", text,
+                        [({"tenant": label}, numbers.get(field, 0)) for label, numbers in tenants.items()])
+                 for field, name, kind, text in _TENANT_METRICS]
     tiers = status.get("tiers", {})
     healthy = status.get("health", {})
-    if tiers:
-        lines.append("# HELP flowkv_server_tier_healthy 1 while a tier is called, 0 while it is skipped")
-        lines.append("# TYPE flowkv_server_tier_healthy gauge")
-        for tier in tiers:
-            lines.append(f'flowkv_server_tier_healthy{{tier="{tier}"}} {int(healthy.get(tier) == "healthy")}')
-        lines.append("# HELP flowkv_server_tier_stat Counters each tier reports (disk, Redis: guard, write-behind)")
-        lines.append("# TYPE flowkv_server_tier_stat gauge")
-        for tier, numbers in tiers.items():
-            for key, value in sorted(numbers.items()):
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    lines.append(f'flowkv_server_tier_stat{{tier="{tier}",stat="{key}"}} {value}')
-    return "\n".join(lines) + "\n"
+    families.append(family("gauge", "flowkv_server_tier_healthy", "1 while a tier is called, 0 while it is skipped",
+                           [({"tier": tier}, int(healthy.get(tier) == "healthy")) for tier in tiers]))
+    families.append(family("gauge", "flowkv_server_tier_stat",
+                           "Counters each tier reports (disk, Redis: guard, write-behind)",
+                           [({"tier": tier, "stat": key}, value)
+                            for tier, numbers in tiers.items() for key, value in sorted(numbers.items())]))
+    return exposition(families)
 
 
-# (status field, metric, type, help) of each tenant label of the arena (flowkv.tenants)
+# (status field, metric, type, help) of each tenant label of the arena (flowkv.tenants): one series per
+# tenant label (a bounded set)
 _TENANT_METRICS = (
     ("bytes", "tenant_bytes", "gauge", "Bytes of the arena each tenant holds (rooms being filled included)"),
     ("entries", "tenant_entries", "gauge", "Chunks each tenant holds in the arena"),
@@ -98,22 +91,6 @@ _TENANT_METRICS = (
     ("quota_refusals", "tenant_quota_refusals_total", "counter",
      "Allocations refused: the tenant was at its quota with nothing of its own to evict"),
 )
-
-
-def _render_tenants(lines: list[str], tenants: dict[str, dict[str, Any]]) -> None:
-    """``flowkv_server_tenant_*{tenant="..."}``: one series per tenant label (a bounded set)."""
-    if not tenants:
-        return
-    for field, name, kind, text in _TENANT_METRICS:
-        lines.append(f"# HELP flowkv_server_{name} {text}")
-        lines.append(f"# TYPE flowkv_server_{name} {kind}")
-        for label, numbers in tenants.items():
-            lines.append(f'flowkv_server_{name}{{tenant="{label_value(label)}"}} {numbers.get(field, 0)}')
-
-
-def label_value(text: str) -> str:
-    """``text`` escaped for a Prometheus label value (backslash, quote, newline)."""
-    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def serve_metrics(server: Any, host: str, port: int) -> http.server.ThreadingHTTPServer:

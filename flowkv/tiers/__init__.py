@@ -3,7 +3,7 @@
 - :class:`Tier` (a byte tier) and :class:`ObjectTier` — the contract a tier
   implements, yours too (:mod:`flowkv.tiers.base`).
 - :class:`StorageManager` — the ordered tiers and the policies between them
-  (:mod:`flowkv.tiers.chain`).
+  (:mod:`flowkv.tiers.manager`).
 - :class:`MemoryTier` — chunks in a host arena (:mod:`flowkv.tiers.memory`).
 - :class:`GuardedTier` — timeouts, failure counting and back-off around a byte tier.
 - :class:`DiskTier` / :class:`DiskTierConfig` — one file per chunk, LRU by bytes.
@@ -45,7 +45,7 @@ _LAZY = {
     "RedisTierConfig": "flowkv.tiers.redis",
     "MemoryTier": "flowkv.tiers.memory",
     "MemoryTierConfig": "flowkv.tiers.memory",
-    "StorageManager": "flowkv.tiers.chain",
+    "StorageManager": "flowkv.tiers.manager",
     "ServerTier": "flowkv.tiers.server",
     "ServerTierConfig": "flowkv.tiers.server",
 }

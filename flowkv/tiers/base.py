@@ -2,7 +2,7 @@
 
 A tier kind is a class registered with ``@flowkv.tier(KIND, config=ConfigCls)``
 and built from its ``[tiers.NAME]`` table as ``Cls(name=NAME, config=cfg)``
-by the storage manager (:mod:`flowkv.tiers.chain`), the one place that knows
+by the storage manager (:mod:`flowkv.tiers.manager`), the one place that knows
 the tiers' order. Keys are printable strings (``CacheKey.to_str()``, e.g.
 ``"model/1.0/bfloat16/fp/tags/3f9a..."``), opaque to a tier: they may contain
 ``/`` and any other printable character, so a tier maps them to its own names
@@ -53,14 +53,19 @@ and in the pipeline file::
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar, Literal, Protocol
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar, Literal, NamedTuple, Protocol
 
+import attrs
 import torch
 
 from flowkv import payload
+from flowkv.tenants import DEFAULT_TENANT
 
-__all__ = ["ObjectTier", "Tier", "TierObject", "verify_payload"]
+__all__ = ["Entry", "Found", "ObjectTier", "Tier", "TierEvent", "TierEvents", "TierObject", "for_tenant", "verify_payload"]
+
+log = logging.getLogger("flowkv.tiers")
 
 
 class Tier(abc.ABC):
@@ -322,3 +327,60 @@ def verify_payload(blob: bytes, key: str | None = None) -> bool:
     except payload.PayloadError:
         return False
     return True
+
+
+def for_tenant(tier: Any, tenant: str) -> dict[str, str]:
+    """``tenant=`` for an object tier whose calls take it (``tenants = True``); nothing for one that
+    predates tenants."""
+    return {"tenant": tenant} if getattr(tier, "tenants", False) else {}
+
+
+# Entry and Found are made once per chunk per call: tuples, cheaper than attrs classes.
+
+
+class Entry(NamedTuple):
+    """One chunk as the tiers see it: its key, where lookup found it, what its raw KV is."""
+
+    key: str
+    tier: str | None  # the tier lookup found it in (None: not found, or masked)
+    # The raw KV's shape: a raw payload must decode to exactly this. None (a node
+    # server, which hosts many geometries): promoted payloads stay encoded.
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
+    # Whose request reads it (flowkv.tenants.tenant_of): a promotion lands as that tenant's entry.
+    tenant: str = DEFAULT_TENANT
+
+
+class Found(NamedTuple):
+    """What ``read`` found: an object tier's object (the reader holds a reference) or a payload."""
+
+    tier: str
+    obj: TierObject | None = None  # release with obj.ref_down() when done
+    kv: torch.Tensor | None = None  # raw KV (a view onto ``obj``)
+    payload: Any = None  # encoded bytes (header + body)
+
+
+@attrs.frozen
+class TierEvent:
+    """Something an object tier admitted or let go of (for a fleet controller)."""
+
+    kind: Literal["admit", "evict", "remove"]
+    tier: str
+    key: str
+
+
+class TierEvents:
+    """The observers of tier events, and the one way events reach them."""
+
+    def __init__(self) -> None:
+        self.observers: list[Callable[[TierEvent], None]] = []
+
+    def emit(self, kind: Literal["admit", "evict", "remove"], tier: str, key: str) -> None:
+        if not self.observers:
+            return
+        event = TierEvent(kind, tier, key)
+        for observer in list(self.observers):
+            try:
+                observer(event)
+            except Exception:  # an observer never breaks the data path
+                log.debug("flowkv: tier event observer failed", exc_info=True)
