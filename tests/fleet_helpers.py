@@ -186,6 +186,34 @@ def chunk_keys(tokens: Sequence[int], *, chunk_size: int, hash_name: str = "sha2
     return [prefix.key(h).to_str() for h in chain_hashes(list(tokens), chunk_size, hash_name, partial=partial)]
 
 
+def start_route(args: Sequence[str], log: Path) -> tuple[str, subprocess.Popen]:
+    """``flowkv route --port 0 ARGS`` in a process of its own (its stderr appended to ``log``): its URL once
+    it answers ``/health``, and the process (the caller stops it)."""
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "flowkv"), "route", "--port", "0",
+                             "--log-level", "warning", *args],
+                            stdout=subprocess.PIPE, stderr=open(log, "ab"), stdin=subprocess.DEVNULL)
+    line = proc.stdout.readline().decode()
+    if "listening on http://" not in line:
+        proc.kill()
+        raise RuntimeError(f"flowkv route did not start: {line!r}\n{log.read_text(errors='replace')[-3000:]}")
+    url = line.split("listening on ")[1].strip()
+    wait_for(lambda: get(url + "/health")["status"] == "ok", "flowkv route answers /health")
+    return url, proc
+
+
+def stop_fleet(processes: Sequence[subprocess.Popen], reporters: Sequence[Any], backends: Sequence[Any],
+               controller: ControllerProcess) -> None:
+    """Stop what a fleet test started: its processes (SIGTERM), reporters, stand-in backends and controller."""
+    for proc in processes:
+        proc.terminate()
+        proc.wait(timeout=30)
+    for reporter in reporters:
+        reporter.close()
+    for backend in backends:
+        backend.close()
+    controller.close()
+
+
 def reporter_script(url: str, instance_id: str, keys: Sequence[str], *, chunk_size: int,
                     hash_name: str = "sha256", token_file: Path | None = None, heartbeat_s: float = 0.5,
                     rank: int = 0, world_size: int = 1, backend_url: str | None = None) -> str:

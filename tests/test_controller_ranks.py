@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-from fleet_helpers import Backend, ControllerProcess, chunk_keys, start_reporter_process, wait_for
+from fleet_helpers import (Backend, ControllerProcess, chunk_keys, start_reporter_process, start_route, stop_fleet,
+                           wait_for)
 from flowkv.fleet.protocol import Registration, TierInfo
 from flowkv.fleet.reporter import Reporter, ReporterConfig, new_session
 
@@ -60,30 +59,15 @@ def fleet(tmp_path_factory):
     report("tp0", "tp", rank=0, world_size=2)
     report("tp1", "tp", rank=1, world_size=2)
     report("one", "one")
-    route = subprocess.Popen([str(Path(sys.executable).parent / "flowkv"), "route", "--port", "0",
-                              "--backend", backends["tp"].url, "--backend", backends["one"].url,
-                              "--controller", controller.url, "--token-file", str(controller.token_files["reader"]),
-                              "--lookup-timeout-s", "30", "--log-level", "warning"],
-                             stdout=subprocess.PIPE, stderr=open(folder / "route.log", "ab"), stdin=subprocess.DEVNULL)
     processes: list[subprocess.Popen] = []
+    url, route = start_route(["--backend", backends["tp"].url, "--backend", backends["one"].url,
+                              "--controller", controller.url, "--token-file", str(controller.token_files["reader"]),
+                              "--lookup-timeout-s", "30"], folder / "route.log")
     try:
-        line = route.stdout.readline().decode()
-        assert "listening on http://" in line, line
-        url = line.split("listening on ")[1].strip()
-        wait_for(lambda: urllib.request.urlopen(url + "/health", timeout=10).status == 200, "flowkv route answers")
         yield {"controller": controller, "backends": backends, "reporters": reporters, "report": report,
                "route": url, "processes": processes}
     finally:
-        route.terminate()
-        route.wait(timeout=30)
-        for proc in processes:
-            proc.kill()
-            proc.wait(timeout=30)
-        for reporter in reporters.values():
-            reporter.close()
-        for backend in backends.values():
-            backend.close()
-        controller.close()
+        stop_fleet([route, *processes], list(reporters.values()), list(backends.values()), controller)
 
 
 def admit(reporter: Reporter, keys: list[str]) -> None:

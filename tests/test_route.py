@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet_helpers import Backend, ControllerProcess, chunk_keys, wait_for
+from fleet_helpers import Backend, ControllerProcess, chunk_keys, start_route, stop_fleet, wait_for
 from flowkv.fleet.protocol import Registration, TierInfo
 from flowkv.fleet.reporter import Reporter, ReporterConfig, new_session
 
@@ -47,29 +47,15 @@ def fleet(tmp_path):
 
     def route(*args: str, to: list[str] | None = None) -> str:
         to = [backends["a"].url, backends["b"].url] if to is None else to
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "flowkv"), "route", "--port", "0",
-                                 *[arg for url in to for arg in ("--backend", url)],
-                                 "--token-file", str(controller.token_files["reader"]), "--log-level", "warning", *args],
-                                stdout=subprocess.PIPE, stderr=open(tmp_path / "route.log", "ab"),
-                                stdin=subprocess.DEVNULL)
+        url, proc = start_route([*[arg for url in to for arg in ("--backend", url)],
+                                 "--token-file", str(controller.token_files["reader"]), *args], tmp_path / "route.log")
         routes.append(proc)
-        line = proc.stdout.readline().decode()
-        assert "listening on http://" in line, line
-        url = line.split("listening on ")[1].strip()
-        wait_for(lambda: get(url + "/health")["status"] == "ok", "route is up")
         return url
 
     try:
         yield {"controller": controller, "backends": backends, "reporters": reporters, "route": route}
     finally:
-        for proc in routes:
-            proc.terminate()
-            proc.wait(timeout=30)
-        for reporter in reporters.values():
-            reporter.close()
-        for backend in backends.values():
-            backend.close()
-        controller.close()
+        stop_fleet(routes, list(reporters.values()), list(backends.values()), controller)
 
 
 def get(url: str) -> dict:
