@@ -9,10 +9,12 @@ import signal
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -184,16 +186,48 @@ def chunk_keys(tokens: Sequence[int], *, chunk_size: int, hash_name: str = "sha2
     return [prefix.key(h).to_str() for h in chain_hashes(list(tokens), chunk_size, hash_name, partial=partial)]
 
 
+def start_route(args: Sequence[str], log: Path) -> tuple[str, subprocess.Popen]:
+    """``flowkv route --port 0 ARGS`` in a process of its own (its stderr appended to ``log``): its URL once
+    it answers ``/health``, and the process (the caller stops it)."""
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "flowkv"), "route", "--port", "0",
+                             "--log-level", "warning", *args],
+                            stdout=subprocess.PIPE, stderr=open(log, "ab"), stdin=subprocess.DEVNULL)
+    line = proc.stdout.readline().decode()
+    if "listening on http://" not in line:
+        proc.kill()
+        raise RuntimeError(f"flowkv route did not start: {line!r}\n{log.read_text(errors='replace')[-3000:]}")
+    url = line.split("listening on ")[1].strip()
+    wait_for(lambda: get(url + "/health")["status"] == "ok", "flowkv route answers /health")
+    return url, proc
+
+
+def stop_fleet(processes: Sequence[subprocess.Popen], reporters: Sequence[Any], backends: Sequence[Any],
+               controller: ControllerProcess) -> None:
+    """Stop what a fleet test started: its processes (SIGTERM), reporters, stand-in backends and controller."""
+    for proc in processes:
+        proc.terminate()
+        proc.wait(timeout=30)
+    for reporter in reporters:
+        reporter.close()
+    for backend in backends:
+        backend.close()
+    controller.close()
+
+
 def reporter_script(url: str, instance_id: str, keys: Sequence[str], *, chunk_size: int,
-                    hash_name: str = "sha256", token_file: Path | None = None, heartbeat_s: float = 0.5) -> str:
-    """Python source of a process that registers as ``instance_id``, admits ``keys`` and lives on."""
+                    hash_name: str = "sha256", token_file: Path | None = None, heartbeat_s: float = 0.5,
+                    rank: int = 0, world_size: int = 1, backend_url: str | None = None) -> str:
+    """Python source of a process that registers as rank ``rank`` of ``instance_id`` (serving at
+    ``backend_url``, default ``http://INSTANCE.invalid``), admits ``keys`` and lives on."""
     return f"""
 import time
 from flowkv.fleet.protocol import Registration, TierInfo
 from flowkv.fleet.reporter import Reporter, ReporterConfig, new_session
-registration = Registration(instance_id={instance_id!r}, session=new_session(), model="m",
+registration = Registration(instance_id={instance_id!r}, rank={rank}, world_size={world_size},
+                            session=new_session(), model="m",
                             tiers=[TierInfo(name="memory", kind="memory", capacity_bytes=1 << 30)],
-                            chunk_size={chunk_size}, hash={hash_name!r}, url="http://{instance_id}.invalid")
+                            chunk_size={chunk_size}, hash={hash_name!r},
+                            url={backend_url or f"http://{instance_id}.invalid"!r})
 reporter = Reporter(ReporterConfig(url={url!r}, heartbeat_s={heartbeat_s},
                                    token_file={str(token_file) if token_file else None!r}), registration).start()
 for key in {list(keys)!r}:
@@ -210,3 +244,69 @@ def start_reporter_process(url: str, instance_id: str, keys: Sequence[str], **kw
     line = proc.stdout.readline().decode().strip()
     assert line == "ready", f"reporter process for {instance_id} said {line!r}"
     return proc
+
+
+class Backend:
+    """A stand-in for a vLLM server: answers with its name; ``"hold": true`` waits for ``release``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.release = threading.Event()
+        self.go_on = threading.Event()
+        self.events: list[str] = []
+        self.held = 0
+        self.bodies: list[dict] = []
+        backend = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                backend.bodies.append(body)
+                if body.get("hold"):
+                    backend.held += 1
+                    backend.release.wait(120)
+                if body.get("stream"):
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.end_headers()
+                    for n in range(3):
+                        self.wfile.write(f"data: {json.dumps({'backend': backend.name, 'n': n})}\n\n".encode())
+                        self.wfile.flush()
+                        if n == 0 and body.get("trickle"):
+                            backend.events.append("backend sent its first piece")
+                            backend.go_on.wait(120)
+                    self.wfile.write(b"data: [DONE]\n\n")
+                    backend.events.append("backend finished")
+                    return
+                answer = {"backend": backend.name, "object": "text_completion"}
+                prefill = bool((body.get("kv_transfer_params") or {}).get("do_remote_decode"))
+                if prefill and body.get("refuse_prefill"):
+                    self.send_response(500)
+                    self.send_header("Content-Length", "2")
+                    self.end_headers()
+                    self.wfile.write(b"{}")
+                    return
+                if prefill:
+                    answer["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
+                                                    "flowkv_committed_tokens": 96, "prefilled_by": backend.name}
+                payload = json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()

@@ -22,82 +22,15 @@ import threading
 import socket
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-from fleet_helpers import ControllerProcess, chunk_keys, wait_for
+from fleet_helpers import Backend, ControllerProcess, chunk_keys, start_route, stop_fleet, wait_for
 from flowkv.fleet.protocol import Registration, TierInfo
 from flowkv.fleet.reporter import Reporter, ReporterConfig, new_session
 
 TOKEN = "route-token"
-
-
-class Backend:
-    """A stand-in for a vLLM server: answers with its name; ``"hold": true`` waits for ``release``."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.release = threading.Event()
-        self.go_on = threading.Event()
-        self.events: list[str] = []
-        self.held = 0
-        self.bodies: list[dict] = []
-        backend = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.0"
-
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                backend.bodies.append(body)
-                if body.get("hold"):
-                    backend.held += 1
-                    backend.release.wait(120)
-                if body.get("stream"):
-                    self.send_response(200)
-                    self.send_header("Content-Type", "text/event-stream")
-                    self.end_headers()
-                    for n in range(3):
-                        self.wfile.write(f"data: {json.dumps({'backend': backend.name, 'n': n})}\n\n".encode())
-                        self.wfile.flush()
-                        if n == 0 and body.get("trickle"):
-                            backend.events.append("backend sent its first piece")
-                            backend.go_on.wait(120)
-                    self.wfile.write(b"data: [DONE]\n\n")
-                    backend.events.append("backend finished")
-                    return
-                answer = {"backend": backend.name, "object": "text_completion"}
-                prefill = bool((body.get("kv_transfer_params") or {}).get("do_remote_decode"))
-                if prefill and body.get("refuse_prefill"):
-                    self.send_response(500)
-                    self.send_header("Content-Length", "2")
-                    self.end_headers()
-                    self.wfile.write(b"{}")
-                    return
-                if prefill:
-                    answer["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
-                                                    "flowkv_committed_tokens": 96, "prefilled_by": backend.name}
-                payload = json.dumps(answer).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
@@ -114,29 +47,15 @@ def fleet(tmp_path):
 
     def route(*args: str, to: list[str] | None = None) -> str:
         to = [backends["a"].url, backends["b"].url] if to is None else to
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "flowkv"), "route", "--port", "0",
-                                 *[arg for url in to for arg in ("--backend", url)],
-                                 "--token-file", str(controller.token_files["reader"]), "--log-level", "warning", *args],
-                                stdout=subprocess.PIPE, stderr=open(tmp_path / "route.log", "ab"),
-                                stdin=subprocess.DEVNULL)
+        url, proc = start_route([*[arg for url in to for arg in ("--backend", url)],
+                                 "--token-file", str(controller.token_files["reader"]), *args], tmp_path / "route.log")
         routes.append(proc)
-        line = proc.stdout.readline().decode()
-        assert "listening on http://" in line, line
-        url = line.split("listening on ")[1].strip()
-        wait_for(lambda: get(url + "/health")["status"] == "ok", "route is up")
         return url
 
     try:
         yield {"controller": controller, "backends": backends, "reporters": reporters, "route": route}
     finally:
-        for proc in routes:
-            proc.terminate()
-            proc.wait(timeout=30)
-        for reporter in reporters.values():
-            reporter.close()
-        for backend in backends.values():
-            backend.close()
-        controller.close()
+        stop_fleet(routes, list(reporters.values()), list(backends.values()), controller)
 
 
 def get(url: str) -> dict:

@@ -261,7 +261,8 @@ class Directory:
     # -- queries --------------------------------------------------------------
 
     def instances(self) -> list[dict[str, Any]]:
-        """Each instance (its ranks together): state, model, pipeline, tiers and their fill."""
+        """Each instance, its ranks together (state, model, pipeline, the chunks every rank holds its
+        shard of, tiers and their fill summed over the ranks), and each rank as a holder of its own."""
         with self._lock:
             grouped: dict[str, list[Holder]] = collections.defaultdict(list)
             for holder in self._holders.values():
@@ -271,25 +272,34 @@ class Directory:
             for instance_id, holders in sorted(grouped.items()):
                 holders.sort(key=lambda h: h.registration.rank)
                 first = holders[0].registration
-                up = (all(h.state == "up" for h in holders)
-                      and len(holders) >= first.world_size)
+                missing = sorted(set(range(first.world_size)) - {h.registration.rank for h in holders})
+                up = all(h.state == "up" for h in holders) and not missing
                 tiers = []
                 for tier in first.tiers:
-                    fill = holders[0].stats.get("tiers", {}).get(tier.name, {})
-                    tiers.append({"name": tier.name, "kind": tier.kind, "capacity_bytes": tier.capacity_bytes,
-                                  "chunks": sum(h.chunk_count(tier.name) for h in holders),
-                                  "used_bytes": fill.get("used_bytes")})
+                    fills = [h.stats.get("tiers", {}).get(tier.name, {}).get("used_bytes") for h in holders]
+                    capacities = [_tier_capacity(h.registration, tier.name) for h in holders]
+                    tiers.append({"name": tier.name, "kind": tier.kind,
+                                  "capacity_bytes": None if None in capacities else sum(capacities),
+                                  "chunks": _whole_chunks(holders, first.world_size, tier.name),
+                                  "used_bytes": sum(fill for fill in fills if isinstance(fill, (int, float)))
+                                  if any(isinstance(fill, (int, float)) for fill in fills) else None})
                 out.append({
                     "instance_id": instance_id, "state": "up" if up else "down", "kind": first.kind,
                     "url": first.url, "model": first.model, "key_model": first.key_model or first.model,
                     "pipeline": first.pipeline, "chunk_size": first.chunk_size, "hash": first.hash,
                     "world_size": first.world_size, "ranks": [h.registration.rank for h in holders],
-                    "shared": first.shared, "tiers": tiers,
-                    "chunks": sum(len(h.held) for h in holders),
+                    "missing_ranks": missing, "shared": first.shared, "tiers": tiers,
+                    "chunks": _whole_chunks(holders, first.world_size),
                     "synced": all(h.synced for h in holders),
                     "last_seen_s": round(max(now - h.last_seen for h in holders), 3),
                     "registered_at": min(h.registered_at for h in holders),
                     "stats": holders[0].stats,
+                    "holders": [{
+                        "rank": h.registration.rank, "state": h.state, "synced": h.synced,
+                        "session": h.registration.session, "chunks": len(h.held),
+                        "tiers": {t.name: h.chunk_count(t.name) for t in h.registration.tiers},
+                        "last_seen_s": round(now - h.last_seen, 3), "stats": h.stats,
+                    } for h in holders],
                 })
             return out
 
@@ -449,3 +459,26 @@ class Directory:
             return {"states": dict(states), "chunks": chunks, "counters": dict(self.counters),
                     "stats": {name: h.stats for name, h in self._holders.items()}}
 
+
+def _whole_chunks(holders: Sequence[Holder], world_size: int, tier: str | None = None) -> int:
+    """How many chunks every rank of an instance holds its shard of (in ``tier``, or in any of its
+    tiers): what the instance can serve. ``holders`` are its ranks in order; a rank missing holds nothing."""
+    if len(holders) < world_size:
+        return 0
+    first, others = holders[0], holders[1:]
+
+    def held(holder: Holder, chunk_hash: bytes, compat: _Compat) -> bool:
+        counts = holder.by_hash.get(chunk_hash, {}).get(compat)
+        return bool(counts) and (tier is None or tier in counts)
+
+    count = 0
+    for chunk_hash, per_compat in first.by_hash.items():
+        for compat in per_compat:
+            model, size, _, digest = compat
+            count += held(first, chunk_hash, compat) and all(
+                held(other, chunk_hash, (model, size, other.registration.rank, digest)) for other in others)
+    return count
+
+
+def _tier_capacity(registration: Registration, name: str) -> int | None:
+    return next((tier.capacity_bytes for tier in registration.tiers if tier.name == name), None)
