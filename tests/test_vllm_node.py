@@ -12,6 +12,10 @@ In order, sharing one server (and vLLM engines where they can):
    document hits in the server's memory.
 4. The server is killed: C serves with misses, outputs unchanged; a new server
    comes on the socket and C reconnects, maps its segment, stores and hits.
+   C prefills at most ``BUDGET`` tokens a step (vLLM's chunked prefill).
+4b. The server is killed during a long request of C (its prefix loaded from the server, the rest
+   prefilled over several steps), while that request's store holds rooms: the request is answered
+   as a cold run answers it, the next is a miss, and a new server brings the hits back.
 5. A layerwise vLLM starts with no server on its socket: misses; then the server
    comes, and it hits with identical outputs (per-layer scatter from the mapped pages).
 """
@@ -23,13 +27,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 import vllm  # noqa: F401,E402 - a broken vLLM install fails these tests; it never skips them
 
-from node_servers import HOLD_STORE, ROOT, node_pipeline, node_servers, wait_for  # noqa: E402,F401
+from node_servers import GO_TAG, HOLD_STORE, HOLD_TAG, ROOT, node_pipeline, node_servers, wait_for  # noqa: E402,F401
 from vllm_helpers import CHUNK_SIZE, generate, make_llm, random_tokens, request, shutdown_llm, stats  # noqa: E402
 
 # One story in steps (the docstring): --shuffle moves the module whole.
@@ -40,6 +45,8 @@ DOCS = {f"doc{i}": random_tokens(300 + i, DOC_TOKENS) for i in range(3)}
 QUESTIONS = {"q1": random_tokens(91, 40), "q2": random_tokens(92, 40)}
 COLD = {"run": "cold"}  # a tag: keys of their own, so the run computes every token
 LEASE_S = 5.0
+BUDGET = 512  # vLLM C's token budget a step: a longer prompt is prefilled over several steps
+LONG_TAIL = random_tokens(93, 1024)  # after a document and a question: a prompt of 2,088 tokens
 
 
 def prompt(doc: str, question: str) -> list[int]:
@@ -131,7 +138,8 @@ def test_a_new_vllm_gets_the_common_prefix_from_the_server_with_outputs_of_a_col
 @pytest.fixture(scope="module")
 def vllm_c(server, pipelines, process_a, vllm_b):
     stop(vllm_b)  # B is done: C is the restarted vLLM
-    llm = make_llm({"pipeline": str(pipelines["plain"])})
+    # Its stores pass node_servers.hold (a tagged request's store holds until told to go).
+    llm = make_llm({"pipeline": str(pipelines["hold"])}, max_num_batched_tokens=BUDGET)
     yield llm
     stop(llm)
 
@@ -165,6 +173,67 @@ def test_vllm_serves_misses_while_the_server_is_gone_then_reconnects_to_the_new_
     tier = stats(vllm_c)["tiers"]["node"]
     assert tier["remaps"] == 1 and tier["healthy"] == 1
     assert server.status()["requests"].get("committed_chunks", 0) >= 4
+
+
+def test_the_server_killed_between_prefill_steps_of_a_long_request_costs_misses_only(server, process_a, vllm_c,
+                                                                                     tmp_path):
+    long = prompt("doc2", "q1") + LONG_TAIL
+    assert len(long) > 2 * BUDGET + DOC_TOKENS  # after the loaded prefix, three prefill steps
+    holding, go = tmp_path / "holding", tmp_path / "go"
+    holding.mkdir()
+    tags = {HOLD_TAG: str(holding), GO_TAG: str(go)}  # the keys of every request below
+    go.touch()  # no hold yet: the document and question go to the server under these tags
+    [(output, cached)] = generate(vllm_c, [request(prompt("doc2", "q1"), tags=tags)])
+    assert cached == 0 and output == process_a["outputs"]["doc2-q1"]["output"]
+    go.unlink()
+    for left in holding.iterdir():
+        left.unlink()
+    failures = stats(vllm_c)["tiers"]["node"]["failures"]
+
+    # The long request: its first 1,024 tokens load from the server in its first step, which
+    # then prefills 512 more and stores two chunks; that store holds its rooms (allocated and
+    # gathered into, not committed) until the server is dead. Its later steps go on without one.
+    killed: list[bool] = []
+    answered = threading.Event()
+
+    def kill_while_held() -> None:
+        try:
+            wait_for(lambda: any(holding.iterdir()) or answered.is_set(), "the long request's store to hold",
+                     timeout_s=600)
+            if not answered.is_set():
+                server.kill()
+                killed.append(True)
+        finally:
+            go.touch()
+
+    killer = threading.Thread(target=kill_while_held)
+    killer.start()
+    try:
+        [(answer, cached)] = generate(vllm_c, [request(long, tags=tags)])
+    finally:
+        answered.set()
+        killer.join()
+    assert killed == [True], "the long request was answered without its store holding"
+    assert not server.running
+    assert cached == DOC_TOKENS  # loaded before the kill
+    tier = stats(vllm_c)["tiers"]["node"]
+    assert tier["healthy"] == 0 and tier["failures"] > failures
+
+    # The server gone: a miss, so vLLM computes the whole prompt: the reference answer. The long
+    # request's is the same: nothing wrong loaded, nothing lost but its stores.
+    [(reference, cached)] = generate(vllm_c, [request(long, tags=tags)])
+    assert cached == 0
+    assert answer == reference
+
+    server.start()  # a new server on the socket: an empty arena
+
+    def hit() -> bool:
+        [(out, got)] = generate(vllm_c, [request(long, tags=tags)])
+        assert out == reference
+        return got == len(long) // CHUNK_SIZE * CHUNK_SIZE
+    wait_for(hit, "vLLM to reconnect, store the long prompt into the new server and hit it whole", timeout_s=300)
+    assert stats(vllm_c)["tiers"]["node"]["healthy"] == 1
+    assert server.status()["requests"].get("committed_chunks", 0) >= len(long) // CHUNK_SIZE
 
 
 def test_layerwise_vllm_starts_without_a_server_then_hits_through_it(node_servers, process_a, vllm_c, tmp_path):

@@ -34,7 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from flowkv.bench.serve import SERVED_NAME, Server, transfer_config
+from flowkv.bench.serve import EAGER_HELP, SERVED_NAME, Server, transfer_config
 from flowkv.integration.harness import DEMO_MODEL, default_model_dir, kv_bytes_per_token, setup_environment
 
 __all__ = ["add_arguments", "run"]
@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests per memory client and phase (default 12)")
     parser.add_argument("--output-tokens", type=int, default=8, help="tokens generated per request (default 8)")
     parser.add_argument("--model-dir", default=str(default_model_dir()), help="the model folder (default: demo)")
+    parser.add_argument("--eager", action="store_true", help=EAGER_HELP)
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
@@ -130,7 +131,7 @@ def _one_setting(model: Path, folder: Path, setting: str, args: argparse.Namespa
     max_model_len = -(-(args.doc_tokens + 64 + args.output_tokens) // 128) * 128
     pool = (args.memory_clients + args.disk_clients + 1) * max_model_len * token_bytes
     with Server(model, folder, transfer=transfer, pool_bytes=pool, max_model_len=max_model_len,
-                prefix_caching=False) as server:
+                prefix_caching=False, eager=args.eager) as server:
         for doc in disk_docs + memory_docs:  # the memory documents last: the disk ones left memory
             _ttft(server.url, doc + tokens(8), 1)
             _disk_written(server)  # the write-behind queue is bounded: let it drain
@@ -204,16 +205,21 @@ def run(args: argparse.Namespace) -> int:
         "settings": rows}
     if args.json:
         print(json.dumps(result, indent=2))
-        return 0
-    print(f"{args.memory_clients} clients on {args.memory_docs} memory documents, {args.disk_clients} on "
-          f"{args.disk_docs} disk documents ({args.doc_tokens} tokens each)")
+    else:
+        _print(result)
+    return 0
+
+
+def _print(result: dict[str, Any]) -> None:
+    work = result["workload"]
+    print(f"{work['memory_clients']} clients on {work['memory_docs']} memory documents, {work['disk_clients']} on "
+          f"{work['disk_docs']} disk documents ({work['doc_tokens']} tokens each)")
     header = (f"{'async_loads':<12} {'memory p50':>11} {'memory p99':>11} {'+disk p50':>10} {'+disk p99':>10} "
               f"{'p99 ratio':>9} {'disk p50':>9} {'disk p99':>9}")
     print(header)
     print("-" * len(header))
-    for row in rows:
+    for row in result["settings"]:
         print(f"{row['async_loads']:<12} {row['memory_alone_p50_ms']:>9.0f}ms {row['memory_alone_p99_ms']:>9.0f}ms "
               f"{row['memory_with_disk_p50_ms']:>8.0f}ms {row['memory_with_disk_p99_ms']:>8.0f}ms "
               f"{row['memory_p99_ratio']:>8.2f}x {row['disk_p50_ms']:>7.0f}ms {row['disk_p99_ms']:>7.0f}ms")
     print("(memory: TTFT of memory-hit requests alone, then beside the disk-hit requests; disk: the disk hits')")
-    return 0

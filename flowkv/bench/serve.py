@@ -53,7 +53,7 @@ from typing import Any
 
 from flowkv.integration.harness import DEMO_MODEL, default_model_dir, kv_bytes_per_token, setup_environment
 
-__all__ = ["CONFIGS", "add_arguments", "run"]
+__all__ = ["CONFIGS", "EAGER_HELP", "add_arguments", "run"]
 
 CONFIGS = ("none", "ceiling", "local-cpu", "cpu-disk", "example")
 # Configurations without a connector: vLLM's own prefix cache, a small pool or one holding every document.
@@ -64,6 +64,9 @@ _READY_S = 900.0
 # Metrics of the prompt tokens a connector served: flowkv's own count, and vLLM's.
 _FLOWKV_TOKENS = "vllm:flowkv_retrieved_tokens"
 _EXTERNAL_TOKENS = "vllm:external_prefix_cache_hits"
+# --eager, for every benchmark that starts vllm serve.
+EAGER_HELP = ("start each vllm serve with --enforce-eager: sooner, but not the compiled engine users serve "
+              "with (for a quick look, not for figures)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,9 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=int, default=256, help="flowkv's chunk size (default 256)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn vLLM's own prefix cache off (every reuse then comes from the connector)")
-    parser.add_argument("--eager", action="store_true",
-                        help="start each vllm serve with --enforce-eager: sooner, but not the compiled "
-                             "engine users serve with (for a quick look, not for figures)")
+    parser.add_argument("--eager", action="store_true", help=EAGER_HELP)
     parser.add_argument("--model-dir", default=str(default_model_dir()), help="the model folder (default: the demo model)")
     parser.add_argument("--plot", metavar="FILE.png", help="write requests/s and p99 TTFT against concurrency")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")

@@ -31,13 +31,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from flowkv.integration.harness import DEMO_MODEL, build_llm, default_model_dir, flowkv_config, setup_environment, shutdown
+from flowkv.integration.harness import (DEMO_MODEL, build_llm, default_model_dir, flowkv_config, kv_bytes_per_token,
+                                        setup_environment, shutdown)
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
 PEERS = ("no cache", "vLLM prefix cache", "flowkv", "flowkv async", "flowkv disk", "ExampleConnector",
@@ -133,10 +135,17 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"flowkv bench ttft: {exc}", file=sys.stderr)
         return 2
+    user_kv_space = "VLLM_CPU_KVCACHE_SPACE" in os.environ
     setup_environment()
     from flowkv.testing import tiny_model
 
     model = tiny_model(args.model_dir, **DEMO_MODEL)
+    # vLLM's pool: a few of the longest prompts (one is in flight at a time), not the 2 GiB default,
+    # which costs each of the run's engines seconds to allocate. A pool the user set is kept.
+    pool_bytes = None
+    if not user_kv_space:
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # else it overrides kv_cache_memory_bytes
+        pool_bytes = max(64 << 20, 4 * (max(lengths) + _ROOM) * kv_bytes_per_token(model))
     vocab = DEMO_MODEL["vocab_size"]
     # prompts[length][repeat], the same for every peer
     prompts = {n: [_prompt(n, seed=n * 100 + r, vocab=vocab) for r in range(args.repeats)] for n in lengths}
@@ -159,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
             measure = _measure_from_disk if name == "flowkv disk" else _measure
             try:
                 runs, served = measure(model, configs[name], prompts, max_model_len=max(lengths) + _ROOM,
-                                       disk=Path(tmp) / "disk")
+                                       disk=Path(tmp) / "disk", pool_bytes=pool_bytes)
             except Exception as exc:  # a peer that cannot start here is reported, not fatal
                 results["failed"][name] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
                 continue
@@ -205,7 +214,7 @@ def _each_prompt(prompts: dict[int, list[list[int]]], timed: Any) -> Runs:
 
 
 def _measure(model: Path, config: Any, prompts: dict[int, list[list[int]]], *, max_model_len: int,
-             disk: Path) -> Runs:
+             disk: Path, pool_bytes: int | None) -> Runs:
     """Each prompt cold (the connector stores it), then again: the TTFT and tokens served of the second."""
     from flowkv.integration.harness import time_to_first_token
 
@@ -214,9 +223,11 @@ def _measure(model: Path, config: Any, prompts: dict[int, list[list[int]]], *, m
         return time_to_first_token(llm, prompt)  # again: a hit where the connector has one
 
     if config == "prefix-cache":  # vLLM's own prefix cache, no connector
-        llm = build_llm(model, max_model_len=max_model_len, enable_prefix_caching=True)
+        llm = build_llm(model, max_model_len=max_model_len, enable_prefix_caching=True,
+                        kv_cache_memory_bytes=pool_bytes)
     else:
-        llm = build_llm(model, kv_transfer_config=config, max_model_len=max_model_len)
+        llm = build_llm(model, kv_transfer_config=config, max_model_len=max_model_len,
+                        kv_cache_memory_bytes=pool_bytes)
     try:
         return _each_prompt(prompts, twice)
     finally:
@@ -224,7 +235,7 @@ def _measure(model: Path, config: Any, prompts: dict[int, list[list[int]]], *, m
 
 
 def _measure_from_disk(model: Path, config: Any, prompts: dict[int, list[list[int]]], *, max_model_len: int,
-                       disk: Path) -> Runs:
+                       disk: Path, pool_bytes: int | None) -> Runs:
     """One vLLM stores every prompt (on disk once written behind); a second, memory empty, loads each back."""
     from flowkv.bench.capacity import drop_page_cache, wait_written
     from flowkv.integration.harness import time_to_first_token
@@ -239,7 +250,8 @@ def _measure_from_disk(model: Path, config: Any, prompts: dict[int, list[list[in
         return time_to_first_token(llm, prompt, skip_save=True)
 
     for timed in (stored, from_disk):
-        llm = build_llm(model, kv_transfer_config=config, max_model_len=max_model_len)
+        llm = build_llm(model, kv_transfer_config=config, max_model_len=max_model_len,
+                        kv_cache_memory_bytes=pool_bytes)
         try:
             runs = _each_prompt(prompts, timed)
         finally:
