@@ -6,8 +6,11 @@ benchmark measures a baseline in the same run and prints ratios against it.
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
 from collections.abc import Callable
+from typing import Any
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "runner": ("flowkv.bench.runner", "runner overhead per item and stage, against a hand loop"),
@@ -21,6 +24,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "tenants": ("flowkv.bench.tenants", "two tenants, one cache: B's hit rate under A's flood, with and without quotas"),
     "rag": ("flowkv.bench.rag", "RAG prompts, documents in any order: no cache, prefix keys, CacheBlend by ratio"),
     "route": ("flowkv.bench.route", "two vLLM servers: round-robin against flowkv route (hit rate, TTFT, req/s)"),
+    "pd": ("flowkv.bench.pd", "colocated vs disaggregated prefill on bench serve's workload: TTFT and ITL p50/p99"),
 }
 
 
@@ -47,3 +51,16 @@ def expect_tokens(got: int, want: int, what: str) -> None:
     than asked would make its timing meaningless."""
     if got != want:
         raise RuntimeError(f"{what} handled {got} of {want} tokens: the measurement would be wrong")
+
+
+def report(results: dict[str, Any], args: argparse.Namespace, *, table: Callable[[dict[str, Any]], None],
+           plot: Callable[[dict[str, Any], str], None]) -> int:
+    """A benchmark's ending: the plot when ``--plot`` names a file, then the figures printed, as
+    ``table`` prints them or (``--json``) as JSON. Returns 0, the exit status."""
+    if args.plot:
+        plot(results, args.plot)
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        table(results)
+    return 0

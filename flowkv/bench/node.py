@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import json
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -46,7 +45,8 @@ def node_server(memory_bytes: int, *, ready_s: float = 120.0, pipeline: Path | N
     extra = ["--pipeline", str(pipeline)] if pipeline is not None else []
     proc = subprocess.Popen([sys.executable, "-m", "flowkv.cli", "server", "--socket", str(socket),
                              "--memory", str(memory_bytes), *extra], stdout=subprocess.PIPE,
-                            stderr=open(folder / "server.log", "w", encoding="utf-8"), text=True)
+                            stderr=open(folder / "server.log", "w", encoding="utf-8"), text=True,
+                            start_new_session=True)
     line: list[str] = []
     reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
     reader.start()
@@ -56,12 +56,9 @@ def node_server(memory_bytes: int, *, ready_s: float = 120.0, pipeline: Path | N
             raise RuntimeError(f"flowkv server did not start: {(folder / 'server.log').read_text()[-2000:]}")
         yield socket
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        from flowkv.bench.serve import stop_group
+
+        stop_group(proc, timeout_s=60)
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -47,6 +47,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from flowkv.bench import report
 from flowkv.integration.harness import flowkv_config, setup_environment, shutdown
 
 RATIOS = (0.0, 0.05, 0.15, 0.3, 1.0)
@@ -168,13 +169,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     setup_environment()
     results = measure(model, args, ratios=ratios, configs=configs)
-    if args.plot:
-        plot(results, args.plot)
-    if args.json:
-        print(json.dumps(results, indent=2))
-    else:
-        print_table(results)
-    return 0
+    return report(results, args, table=print_table, plot=plot)
 
 
 def measure(model: Path, args: argparse.Namespace, *, ratios: list[float], configs: list[str],

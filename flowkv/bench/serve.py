@@ -5,8 +5,8 @@ loopback, as a user runs it (vLLM's own prefix caching on, its KV pool sized
 to ``--pool-docs`` documents), and vLLM's own client, ``vllm bench serve``,
 drives it with its ``prefix_repetition`` dataset: ``--docs`` documents of
 ``--doc-tokens`` tokens, each asked ``--asks`` times with a different
-``--question-tokens`` question, in shuffled order. There are more documents
-than vLLM's pool holds, so its own prefix cache cannot serve them all.
+``--question-tokens`` question, in shuffled order, greedy. There are more
+documents than vLLM's pool holds, so its own prefix cache cannot serve them all.
 
 =================  ============================================================
 ``none``           vLLM alone (its prefix cache only)
@@ -36,6 +36,7 @@ as ratios to ``none`` and to ``ceiling`` at the same concurrency::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -51,9 +52,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from flowkv.bench import report
 from flowkv.integration.harness import DEMO_MODEL, default_model_dir, kv_bytes_per_token, setup_environment
 
-__all__ = ["CONFIGS", "EAGER_HELP", "add_arguments", "run"]
+__all__ = ["CONFIGS", "EAGER_HELP", "Server", "add_arguments", "add_workload_arguments", "answers", "bench_model",
+           "client", "figures", "median_run", "model_len", "positive", "positive_ints", "round_range", "run",
+           "stop_group", "summarize", "transfer_config"]
 
 CONFIGS = ("none", "ceiling", "local-cpu", "cpu-disk", "example")
 # Configurations without a connector: vLLM's own prefix cache, a small pool or one holding every document.
@@ -72,29 +76,39 @@ EAGER_HELP = ("start each vllm serve with --enforce-eager: sooner, but not the c
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``flowkv bench serve``."""
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
-    parser.add_argument("--concurrency", default="1,4,8,16", help="comma-separated client concurrency levels")
-    parser.add_argument("--docs", type=int, default=48, help="documents per run (default 48)")
-    parser.add_argument("--asks", type=int, default=3, help="requests per document (default 3)")
-    parser.add_argument("--doc-tokens", type=int, default=1024, help="tokens per document (default 1024)")
-    parser.add_argument("--question-tokens", type=int, default=32, help="tokens after the document (default 32)")
-    parser.add_argument("--output-tokens", type=int, default=16, help="tokens generated per request (default 16)")
-    parser.add_argument("--pool-docs", type=int, default=16,
-                        help="vLLM's KV pool, in requests of one document each (default 16)")
+    add_workload_arguments(parser, concurrency="1,4,8,16", docs=48, output_tokens=16, pool_docs=16)
     parser.add_argument("--memory-docs", type=int, default=8,
                         help="cpu-disk: documents its memory tier holds; the rest come from disk (default 8)")
+    parser.add_argument("--chunk-size", type=int, default=256, help="flowkv's chunk size (default 256)")
+    parser.add_argument("--plot", metavar="FILE.png", help="write requests/s and p99 TTFT against concurrency")
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, *, concurrency: str, docs: int, output_tokens: int,
+                           pool_docs: int) -> None:
+    """The options of the workload, its rounds and its servers (``bench serve``'s, and ``bench pd``'s),
+    with these defaults."""
+    parser.add_argument("--concurrency", default=concurrency,
+                        help=f"comma-separated client concurrency levels (default {concurrency})")
+    for flag, default, what in (("--docs", docs, "documents per run"), ("--asks", 3, "requests per document"),
+                                ("--doc-tokens", 1024, "tokens per document"),
+                                ("--question-tokens", 32, "tokens after the document"),
+                                ("--output-tokens", output_tokens, "tokens generated per request")):
+        parser.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
+    parser.add_argument("--pool-docs", type=int, default=pool_docs,
+                        help=f"vLLM's KV pool (each server's), in requests of one document each (default {pool_docs})")
     parser.add_argument("--repeats", type=int, default=3,
                         help="rounds of every configuration; the table shows medians and ranges (default 3)")
-    parser.add_argument("--chunk-size", type=int, default=256, help="flowkv's chunk size (default 256)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn vLLM's own prefix cache off (every reuse then comes from the connector)")
     parser.add_argument("--eager", action="store_true", help=EAGER_HELP)
     parser.add_argument("--model-dir", default=str(default_model_dir()), help="the model folder (default: the demo model)")
-    parser.add_argument("--plot", metavar="FILE.png", help="write requests/s and p99 TTFT against concurrency")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
-    parser.add_argument("--keep-logs", metavar="DIR", help="keep each server's log and each client's result here")
+    parser.add_argument("--keep-logs", metavar="DIR",
+                        help="keep each server's log and each client's result (its outputs too, in bench pd) here")
 
 
-def _ints(text: str, what: str) -> list[int]:
+def positive_ints(text: str, what: str) -> list[int]:
+    """The positive integers of a comma-separated option ``what``; ValueError otherwise."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -127,8 +141,11 @@ def _vllm_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
-def transfer_config(config: str, folder: Path, *, chunk_size: int, memory_bytes: int) -> dict[str, Any] | None:
-    """The ``--kv-transfer-config`` of a configuration (None: no connector); its files go under ``folder``."""
+def transfer_config(config: str, folder: Path, *, chunk_size: int | None, memory_bytes: int, kv_role: str = "kv_both",
+                    extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The ``--kv-transfer-config`` of a configuration (None: no connector); its files go under ``folder``.
+    A flowkv configuration is the pipeline of that name in ``kv_role``, with ``extra`` settings on top
+    (``chunk_size`` None: the pipeline's own)."""
     if config in _NO_CONNECTOR:
         return None
     if config == "example":
@@ -137,25 +154,28 @@ def transfer_config(config: str, folder: Path, *, chunk_size: int, memory_bytes:
     # Unix socket paths are limited to 107 bytes: the lookup sockets get a short folder of their own.
     ipc_dir = tempfile.mkdtemp(prefix="fkv-", dir=folder if len(str(folder)) < 40 else None)
     # Lookups wait for an idle worker; on a machine shared with other work 200 ms can pass first.
-    extra: dict[str, Any] = {"pipeline": config, "chunk_size": chunk_size, "ipc_dir": ipc_dir,
-                             "lookup_timeout_ms": 2000}
+    settings: dict[str, Any] = {"pipeline": config, "ipc_dir": ipc_dir, "lookup_timeout_ms": 2000,
+                                **({"chunk_size": chunk_size} if chunk_size is not None else {}), **(extra or {})}
     if config == "cpu-disk":
-        extra["tiers.disk.path"] = str(folder / "disk")
-        extra["tiers.memory.capacity"] = memory_bytes
+        settings["tiers.disk.path"] = str(folder / "disk")
+        settings["tiers.memory.capacity"] = memory_bytes
     return {"kv_connector": "FlowKVConnector", "kv_connector_module_path": "flowkv.integration.vllm",
-            "kv_role": "kv_both", "kv_connector_extra_config": extra}
+            "kv_role": kv_role, "kv_connector_extra_config": settings}
 
 
 class Server:
-    """One ``vllm serve`` on loopback, in a process group of its own, its output in ``log``."""
+    """One ``vllm serve`` on loopback, in a process group of its own, its output in ``log``; ``env``
+    adds to its environment (e.g. ``VLLM_CPU_OMP_THREADS_BIND``)."""
 
     def __init__(self, model: Path, folder: Path, *, transfer: dict[str, Any] | None, pool_bytes: int,
-                 max_model_len: int, prefix_caching: bool = True, eager: bool = False) -> None:
+                 max_model_len: int, prefix_caching: bool = True, eager: bool = False, dtype: str = "bfloat16",
+                 env: dict[str, str] | None = None, name: str = "server") -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = folder / "server.log"
+        self.log = folder / f"{name}.log"
+        self.env = env or {}
         self.command = [*_vllm_command(), "serve", str(model), "--served-model-name", SERVED_NAME,
-                        "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
+                        "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype,
                         "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(pool_bytes),
                         "--seed", "0"]
         if not prefix_caching:
@@ -167,7 +187,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> Server:
-        env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+        env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"), **self.env}
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log,
@@ -182,21 +202,11 @@ class Server:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        if self.proc is not None:
+            stop_group(self.proc)
 
     def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=5) as reply:
-                return reply.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return answers(self.url + "/health")
 
     def flowkv_stats(self) -> dict[str, Any]:
         """The flowkv engine statistics of the server's worker (rank 0), over its lookup socket."""
@@ -206,49 +216,96 @@ class Server:
         [socket_file] = Path(extra["ipc_dir"]).glob("*-r0.sock")
         return query_worker(socket_file, "stats")["stats"]
 
-    def metric(self, name: str) -> float:
-        """The sum of a Prometheus counter's samples (``name`` or ``name_total``) on /metrics."""
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of a Prometheus counter's samples (``name`` or ``name_total``) on /metrics, of those
+        with ``labels`` when given."""
         with urllib.request.urlopen(self.url + "/metrics", timeout=60) as reply:
             text = reply.read().decode()
-        pattern = re.compile(rf"^{re.escape(name)}(?:_total)?(?:\{{[^}}]*\}})?\s+(\S+)$")
-        return sum(float(m.group(1)) for line in text.splitlines() if (m := pattern.match(line)))
+        pattern = re.compile(rf"^{re.escape(name)}(?:_total)?(?:\{{([^}}]*)\}})?\s+(\S+)$")
+        wanted = {f'{key}="{value}"' for key, value in labels.items()}
+        return sum(float(m.group(2)) for line in text.splitlines()
+                   if (m := pattern.match(line)) and wanted <= set((m.group(1) or "").split(",")))
+
+
+def answers(url: str) -> bool:
+    """Whether ``url`` answers a GET with 200 (within seconds)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def stop_group(proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    """Stop a process started with ``start_new_session=True`` and everything in its process group:
+    SIGTERM, then SIGKILL for what is left once the leader exited or ``timeout_s`` passed (vLLM's
+    engine core and workers outlive a front process that was killed alone)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 # -- the client ------------------------------------------------------------------------------------
 
 
-def drive(server: Server, args: argparse.Namespace, *, model: Path, concurrency: int, seed: int,
-          result_file: Path) -> dict[str, Any]:
-    """One ``vllm bench serve`` run against ``server``; its result JSON, and the connector's tokens."""
-    before = {name: server.metric(name) for name in (_FLOWKV_TOKENS, _EXTERNAL_TOKENS)}
+def client(url: str, args: argparse.Namespace, *, model: Path, concurrency: int, seed: int,
+           result_file: Path, detailed: bool = False) -> dict[str, Any]:
+    """One ``vllm bench serve`` run of the workload in ``args`` against ``url``, greedy; its result JSON
+    (``detailed``: with each request's ``generated_texts``, ``input_lens``, ``ttfts``, ``itls``)."""
     command = [
-        *_vllm_command(), "bench", "serve", "--backend", "vllm", "--base-url", server.url,
+        *_vllm_command(), "bench", "serve", "--backend", "vllm", "--base-url", url,
         "--endpoint", "/v1/completions", "--model", SERVED_NAME, "--tokenizer", str(model),
         "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(args.doc_tokens),
         "--prefix-repetition-suffix-len", str(args.question_tokens),
         "--prefix-repetition-num-prefixes", str(args.docs),
         "--prefix-repetition-output-len", str(args.output_tokens),
         "--num-prompts", str(args.docs * args.asks), "--max-concurrency", str(concurrency),
-        "--request-rate", "inf", "--ignore-eos", "--seed", str(seed), "--num-warmups", "0",
+        "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--seed", str(seed), "--num-warmups", "0",
+        # The servers answered /health already; its "initial test run" would be one request more, uncounted.
+        "--ready-check-timeout-sec", "0",
         "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99", "--disable-tqdm",
         "--save-result", "--result-dir", str(result_file.parent), "--result-filename", result_file.name,
+        *(["--save-detailed"] if detailed else []),
     ]
     with open(result_file.with_suffix(".log"), "wb") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
-    result = json.loads(result_file.read_text())
+    return json.loads(result_file.read_text())
+
+
+def figures(result: dict[str, Any]) -> dict[str, Any]:
+    """The figures of a ``vllm bench serve`` result that the tables show."""
     return {
         "requests_per_s": result["request_throughput"],
         "ttft_p50_ms": result["p50_ttft_ms"],
         "ttft_p99_ms": result["p99_ttft_ms"],
         "itl_p50_ms": result["p50_itl_ms"],
+        "itl_p99_ms": result["p99_itl_ms"],
         "completed": result["completed"],
         "failed": result.get("failed", 0),
+    }
+
+
+def drive(server: Server, args: argparse.Namespace, *, model: Path, concurrency: int, seed: int,
+          result_file: Path) -> dict[str, Any]:
+    """One ``vllm bench serve`` run against ``server``; its figures, and the connector's tokens."""
+    before = {name: server.metric(name) for name in (_FLOWKV_TOKENS, _EXTERNAL_TOKENS)}
+    result = client(server.url, args, model=model, concurrency=concurrency, seed=seed, result_file=result_file)
+    return figures(result) | {
         "flowkv_tokens": server.metric(_FLOWKV_TOKENS) - before[_FLOWKV_TOKENS],
         "connector_tokens": server.metric(_EXTERNAL_TOKENS) - before[_EXTERNAL_TOKENS],
     }
 
 
-def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median over the rounds of each figure of a run."""
     return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
@@ -256,35 +313,51 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
 _SPREAD = ("requests_per_s", "ttft_p99_ms", "itl_p50_ms")
 
 
-def _range(runs: list[dict[str, Any]]) -> dict[str, list[float]]:
-    """[min, max] over the rounds of each figure in ``_SPREAD``."""
-    return {key: [min(run[key] for run in runs), max(run[key] for run in runs)] for key in _SPREAD}
+def round_range(runs: list[dict[str, Any]], keys: tuple[str, ...] = _SPREAD) -> dict[str, list[float]]:
+    """[min, max] over the rounds of each figure in ``keys``."""
+    return {key: [min(run[key] for run in runs), max(run[key] for run in runs)] for key in keys}
 
 
 # -- the benchmark ------------------------------------------------------------------------------------
+
+
+def positive(args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    """Raise ValueError naming the first of the options ``names`` that is not positive."""
+    for name in names:
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+
+
+def bench_model(model_dir: str) -> Path:
+    """The model folder to serve: ``model_dir``, or the demo model built there when it holds none."""
+    model = Path(model_dir)
+    if not (model / "config.json").exists():
+        from flowkv.testing import tiny_model
+
+        model = tiny_model(model, **DEMO_MODEL)
+    return model
+
+
+def model_len(args: argparse.Namespace) -> int:
+    """The servers' ``--max-model-len`` for the workload in ``args``: one request, with room for the
+    re-tokenized prompt (vLLM's dataset decodes and re-encodes it), in whole blocks."""
+    request_tokens = args.doc_tokens + args.question_tokens + args.output_tokens
+    return -(-(request_tokens + 64) // 128) * 128
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table (or JSON). Returns the exit status."""
     try:
         configs = _configs(args.configs)
-        levels = _ints(args.concurrency, "--concurrency")
-        for name in ("docs", "asks", "doc_tokens", "question_tokens", "output_tokens", "pool_docs", "memory_docs",
-                     "repeats"):
-            if getattr(args, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        levels = positive_ints(args.concurrency, "--concurrency")
+        positive(args, ("docs", "asks", "doc_tokens", "question_tokens", "output_tokens", "pool_docs", "memory_docs",
+                        "repeats"))
     except ValueError as exc:
         print(f"flowkv bench serve: {exc}", file=sys.stderr)
         return 2
     setup_environment()
-    model = Path(args.model_dir)
-    if not (model / "config.json").exists():
-        from flowkv.testing import tiny_model
-
-        model = tiny_model(model, **DEMO_MODEL)
-    request_tokens = args.doc_tokens + args.question_tokens + args.output_tokens
-    # Room for the re-tokenized prompt (vLLM's dataset decodes and re-encodes it) and whole blocks.
-    max_model_len = -(-(request_tokens + 64) // 128) * 128
+    model = bench_model(args.model_dir)
+    max_model_len = model_len(args)
     token_bytes = kv_bytes_per_token(model)
     results: dict[str, Any] = {"model": str(model), "configs": configs, "concurrency": levels,
                                "workload": {k: getattr(args, k) for k in ("docs", "asks", "doc_tokens",
@@ -328,13 +401,7 @@ def run(args: argparse.Namespace) -> int:
                     for level_runs in runs[config].values():  # keep whole rounds only
                         del level_runs[repeat:]
     summarize(results, runs)
-    if args.plot:
-        _plot(results, args.plot)
-    if args.json:
-        print(json.dumps(results, indent=2))
-    else:
-        _print(results)
-    return 0
+    return report(results, args, table=_print, plot=_plot)
 
 
 def summarize(results: dict[str, Any], runs: dict[str, dict[int, list[dict[str, Any]]]]) -> None:
@@ -344,8 +411,9 @@ def summarize(results: dict[str, Any], runs: dict[str, dict[int, list[dict[str, 
         by_level = {level: level_runs for level, level_runs in by_level.items() if level_runs}
         if by_level:
             results["runs"][config] = by_level
-            results["median"][config] = {lvl: _median(level_runs) for lvl, level_runs in by_level.items()}
-            results.setdefault("range", {})[config] = {lvl: _range(level_runs) for lvl, level_runs in by_level.items()}
+            results["median"][config] = {lvl: median_run(level_runs) for lvl, level_runs in by_level.items()}
+            results.setdefault("range", {})[config] = {lvl: round_range(level_runs)
+                                                       for lvl, level_runs in by_level.items()}
     _ratios(results)
 
 
