@@ -40,6 +40,7 @@ _BLOCK = 128
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``flowkv bench route``."""
+    from flowkv.bench.serve import EAGER_HELP
     from flowkv.integration.harness import default_model_dir
 
     parser.add_argument("--documents", type=int, default=8, help="distinct documents (default 8)")
@@ -51,8 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="write a plot of the two modes side by side")
-    parser.add_argument("--model-dir", default=str(default_model_dir()), help="the benchmark model folder")
+    parser.add_argument("--model-dir", default=str(default_model_dir()),
+                        help="the model folder (default: the demo model, built there if missing)")
     parser.add_argument("--keep", action="store_true", help="keep the logs folder")
+    parser.add_argument("--eager", action="store_true", help=EAGER_HELP)
 
 
 def _free_port() -> int:
@@ -127,7 +130,7 @@ class _Processes:
 
 
 def _vllm(procs: _Processes, name: str, model: Path, controller: str, token_file: Path, memory_bytes: int,
-          kv_cache_bytes: int, max_model_len: int, cores: str) -> str:
+          kv_cache_bytes: int, max_model_len: int, cores: str, eager: bool) -> str:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     extra = {"pipeline": "local-cpu", "tiers.memory.capacity": memory_bytes,
@@ -139,7 +142,7 @@ def _vllm(procs: _Processes, name: str, model: Path, controller: str, token_file
                "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--block-size", str(_BLOCK),
                "--max-model-len", str(max_model_len), "--no-enable-prefix-caching", "--seed", "0",
                "--kv-cache-memory-bytes", str(kv_cache_bytes), "--enable-prompt-tokens-details",
-               "--kv-transfer-config", json.dumps(config)]
+               "--kv-transfer-config", json.dumps(config), *(["--enforce-eager"] if eager else [])]
     # Each instance on cores of its own, as two instances on one machine would be deployed.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "WARNING",
            "VLLM_CPU_OMP_THREADS_BIND": cores}
@@ -223,7 +226,9 @@ def run(args: argparse.Namespace) -> int:
     from flowkv.integration.harness import DEMO_MODEL, QUESTIONS, documents, kv_bytes_per_token
 
     os.environ["HF_HUB_OFFLINE"] = "1"
-    model = tiny_model(args.model_dir, **DEMO_MODEL)
+    model = Path(args.model_dir)
+    if not (model / "config.json").exists():  # a model of the user's, else the demo model, built here
+        model = tiny_model(model, **DEMO_MODEL)
     tokenizer = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
     docs = documents(tokenizer, args.documents, args.doc_tokens)
     question = tokenizer.encode(QUESTIONS[0], add_special_tokens=False)
@@ -251,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"starting two vLLM servers ({args.documents} documents x {args.doc_tokens} tokens, "
               f"memory tier {memory_bytes >> 20} MiB each)...", file=sys.stderr)
         backends = [_vllm(procs, name, model, controller, tokens["instance"][1], memory_bytes, kv_cache_bytes, max_model_len,
-                          _cores(index, 2)) for index, name in enumerate(("vllm-0", "vllm-1"))]
+                          _cores(index, 2), args.eager) for index, name in enumerate(("vllm-0", "vllm-1"))]
         for name, url in zip(("vllm-0", "vllm-1"), backends):
             _wait(lambda url=url: urllib.request.urlopen(url + "/health", timeout=5).status == 200,
                   f"{name} is ready ({folder / (name + '.log')})")
