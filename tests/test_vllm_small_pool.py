@@ -42,7 +42,10 @@ def llm(tmp_path_factory):
         retrieve_before_get=["vllm_helpers:evict_chunk"],
         retrieve_before_scatter=["vllm_helpers:wrong_kv"],
     )
-    engine = make_llm({"pipeline": str(path)}, kv_cache_blocks=POOL_BLOCKS, max_num_batched_tokens=1024)
+    # Pins outlast any wait here: the scheduler gives a waiting request's answer again only within
+    # half the pin timeout, and on a loaded machine a 300-token decode outlasts the default's 15 s.
+    engine = make_llm({"pipeline": str(path), "pin_timeout_s": 600}, kv_cache_blocks=POOL_BLOCKS,
+                      max_num_batched_tokens=1024)
     yield engine
     shutdown_llm(engine)
 
