@@ -212,3 +212,13 @@ def engines_in_this_process(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_CI_ENV", "1")
     with engine_processes(separate=False):
         yield
+
+
+@pytest.fixture(name="own_environment")
+def _own_environment():
+    """The environment as it was, after a test that runs ``flowkv demo`` or ``bench`` (they set vLLM's
+    for their run: log level, KV pool size)."""
+    from vllm_helpers import own_environment
+
+    with own_environment():
+        yield

@@ -12,13 +12,13 @@ no cache serves none, and every printed ratio follows from the printed times.
 from __future__ import annotations
 
 import json
-import os
 import re
-from pathlib import Path
 
 import pytest
 
 import vllm  # noqa: F401,E402 - a broken vLLM install fails these tests; it never skips them
+
+from vllm_helpers import demo_model_dir  # noqa: E402
 
 from flowkv.bench import ttft  # noqa: E402
 from flowkv.cli import main  # noqa: E402
@@ -31,24 +31,11 @@ BLOCK = 128  # vLLM's block on CPU
 NUMBER = r"\d+(?:\.\d+)?"
 
 
-def model_dir() -> Path:
-    """The demo model, built once into the tests' model cache (shared with test_readme_vllm_commands)."""
-    root = Path(os.environ.get("FLOWKV_TEST_CACHE", Path.home() / ".cache" / "flowkv" / "test-models"))
-    return root / "demo-llama"
-
-
-@pytest.fixture
-def own_environment():
-    """The benchmark sets vLLM's environment for its run (log level, KV pool size); later tests get theirs back."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def bench_ttft(capsys, *extra: str) -> dict:
     argv = ["bench", "ttft", "--lengths", ",".join(map(str, LENGTHS)), "--repeats", str(REPEATS),
-            "--model-dir", str(model_dir()), "--json", *extra]
+            "--model-dir", str(demo_model_dir()), "--json", *extra]
     assert main(argv) == 0
     return json.loads(capsys.readouterr().out)
 

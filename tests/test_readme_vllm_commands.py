@@ -14,13 +14,14 @@ total follows from the printed rows. ``flowkv quality`` and ``bench capacity`` r
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
 import pytest
 
 import vllm  # noqa: F401,E402 - a broken vLLM install fails these tests; it never skips them
+
+from vllm_helpers import demo_model_dir  # noqa: E402
 
 from flowkv.cli import main  # noqa: E402
 
@@ -33,19 +34,6 @@ BLOCK = 128  # vLLM's default block on CPU
 NUMBER = r"\d+(?:\.\d+)?"
 
 
-def model_dir() -> Path:
-    """The demo model, built once into the tests' model cache (shared with test_quality, bench capacity)."""
-    root = Path(os.environ.get("FLOWKV_TEST_CACHE", Path.home() / ".cache" / "flowkv" / "test-models"))
-    return root / "demo-llama"
-
-
-@pytest.fixture
-def own_environment():
-    """The demo sets vLLM's environment for its run (log level, KV pool size); later tests get theirs back."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
@@ -53,7 +41,7 @@ def test_demo_table_follows_from_its_rows_and_its_trace_summarizes(layerwise, tm
                                                                   engines_in_this_process):
     traces = tmp_path / "traces"
     argv = ["demo", "--documents", str(DOCUMENTS), "--doc-tokens", str(DOC_TOKENS), "--traces", str(traces),
-            "--model-dir", str(model_dir())]
+            "--model-dir", str(demo_model_dir())]
     assert main(argv + (["--layerwise"] if layerwise else [])) == 0
     out = capsys.readouterr().out
 
@@ -118,7 +106,7 @@ def test_bench_ttft_speedups_are_the_ratios_of_its_times(capsys, own_environment
     lengths = [1024, 2048]
     peers = "no cache,vLLM prefix cache,flowkv,ExampleConnector,OffloadingConnector,SimpleCPUOffloadConnector"
     argv = ["bench", "ttft", "--lengths", ",".join(map(str, lengths)), "--repeats", "1", "--peers", peers,
-            "--model-dir", str(model_dir()), "--json"]
+            "--model-dir", str(demo_model_dir()), "--json"]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["lengths"] == lengths

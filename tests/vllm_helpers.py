@@ -39,10 +39,31 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 
 
+def test_models() -> Path:
+    """Where the tests build their models (``$FLOWKV_TEST_CACHE``, else ``~/.cache/flowkv/test-models``)."""
+    return Path(os.environ.get("FLOWKV_TEST_CACHE", Path.home() / ".cache" / "flowkv" / "test-models"))
+
+
 def tiny_model_dir() -> Path:
     """The tiny Llama the vLLM tests run, built on first use."""
-    root = Path(os.environ.get("FLOWKV_TEST_CACHE", Path.home() / ".cache" / "flowkv" / "test-models"))
-    return tiny_model(root / "tiny-llama-l2-h256")
+    return tiny_model(test_models() / "tiny-llama-l2-h256")
+
+
+def demo_model_dir() -> Path:
+    """The demo model's folder in the tests' model cache (the CLI builds it there on first use)."""
+    return test_models() / "demo-llama"
+
+
+@contextlib.contextmanager
+def own_environment() -> Iterator[None]:
+    """The environment back as it was afterwards: ``flowkv demo`` and ``bench`` set vLLM's (log level,
+    KV pool size) for their run; later tests get theirs back."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def make_llm(
