@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from node_servers import ROOT, node_servers, wait_for  # noqa: F401 - node_servers is a fixture
+from node_servers import ROOT, node_servers, scraped, wait_for  # noqa: F401 - node_servers is a fixture
 
 from flowkv.tiers import node_protocol as wire
 from flowkv.tiers.server import ServerTier, ServerTierConfig
@@ -76,7 +76,7 @@ def test_a_live_client_that_dropped_its_call_keeps_its_pages_from_reuse_until_it
     assert held["memory"]["free_bytes"] == total - DROPPED_ROOMS * ROOM
     assert "kept from reuse until it exits" in server.log.read_text()
     metrics = urllib.request.urlopen(server.fields["metrics"], timeout=60).read().decode()
-    assert f"flowkv_server_quarantined_bytes {DROPPED_ROOMS * ROOM}" in metrics
+    assert scraped(metrics)[("flowkv_server_quarantined_bytes", ())] == DROPPED_ROOMS * ROOM
 
     # An honest client takes the whole rest of the arena: never one of the dropped rooms.
     honest = wire.NodeConnection.connect(server.socket, timeout_s=30.0)
