@@ -188,7 +188,7 @@ def pytest_xdist_make_scheduler(config, log):
             if self.groups is None:
                 with open(os.environ[_GROUPS_FILE], encoding="utf-8") as groups:
                     self.groups = json.load(groups)
-            return self.groups.get(nodeid) or nodeid.split("::", 1)[0]
+            return self.groups[nodeid]  # every collected test has its group
 
     if config.getvalue("dist") != "loadgroup":
         return None

@@ -20,6 +20,7 @@ stops it (``close()``). ``start_servers`` starts several side by side. Servers r
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -109,7 +110,7 @@ def readme_transfer_config(line: int | None = None) -> dict[str, Any]:
 def flowkv_transfer_config(base: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
     """A README --kv-transfer-config (``base``; by default the first, its quick start), with ``extra``
     in kv_connector_extra_config (over the README's own settings)."""
-    config = json.loads(json.dumps(base)) if base is not None else readme_transfer_config()
+    config = copy.deepcopy(base) if base is not None else readme_transfer_config()
     config["kv_connector_extra_config"].update(extra)
     return config
 
