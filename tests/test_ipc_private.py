@@ -26,7 +26,10 @@ def answer_hits(header: dict, tokens: np.ndarray) -> dict:
     return {"hits": int(tokens.size)}
 
 
-def test_the_default_folder_is_made_0700_by_its_owner(tmp_path, monkeypatch):
+def test_the_default_folder_is_made_0700_by_its_owner(monkeypatch):
+    # A short temporary folder of its own: pytest's numbered one, under xdist's worker folder, can
+    # leave no room for the socket's name in a Unix socket's 107 bytes.
+    tmp_path = Path(tempfile.mkdtemp(prefix="fkv-ipc-", dir="/tmp"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     folder = default_ipc_dir()
     assert folder == tmp_path / f"flowkv-{os.getuid()}" and not folder.exists()
