@@ -41,8 +41,8 @@ model: setup
 demo: setup model
 	$(BIN)/flowkv demo
 
-# Two workers: every test that starts vLLM runs on one of them, in turn; the others beside it
-# (tests/conftest.py groups them); a worker that dies fails the run, it is not replaced.
+# Two workers, each module whole on one of them: vLLM's modules on the first, the others beside them,
+# the longest first (tests/conftest.py schedules them); a worker that dies fails the run, it is not replaced.
 # PYTEST_WORKERS=0 runs the suite in one process.
 PYTEST_WORKERS ?= 2
 test: setup model

@@ -78,6 +78,7 @@ _skipped: list[tuple[str, str]] = []
 
 
 def pytest_runtest_logreport(report):
+    _record_unit_time(report)
     if report.skipped:
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         _skipped.append((report.nodeid, reason.removeprefix("Skipped: ")))
@@ -89,6 +90,7 @@ def _unexcused_skips() -> list[tuple[str, str]]:
 
 
 def pytest_sessionfinish(session, exitstatus):
+    _save_unit_times()
     if os.environ.get("CI") == "true" and _unexcused_skips() and exitstatus == 0:
         session.exitstatus = 1
 
@@ -131,23 +133,30 @@ def pytest_collection_modifyitems(session, config, items):
         items.extend(tests)
 
 
-# How ``make test``'s two pytest-xdist workers (``-n 2``) share the suite: every test that starts vLLM
-# in one group, run one after another by one worker, as without workers (an engine takes both cores;
-# in-process engines share vLLM's process-wide state, which allows one connected engine at a time);
-# every other module whole (its module-scoped servers start once, an in_order story keeps its
-# order) on whichever worker is free. Tests that start no vLLM mostly wait on processes and
-# sockets, so they run beside the engines instead of after them.
+# How ``make test``'s two pytest-xdist workers (``-n 2``) share the suite: each module whole (its
+# module-scoped servers start once, an in_order story keeps its order), the first worker the modules
+# that start vLLM, the second the others beside it (they mostly wait on processes and sockets), then
+# either the rest of the other kind, the longest first. "Longest" is what each module took in the last
+# run on this machine (a file beside the venv, written at the end of every run with workers); modules
+# without a record follow, those with more tests first.
 #
 # xdist's own ``--dist loadgroup`` cannot do it here: it renames a test by assigning
 # ``item._nodeid``, which pytest 9 no longer reads (tests/test_suite_policy.py pins that). So each
 # worker writes the group of every test it collected to a file the controller names, and the
 # controller's scheduler (one work unit per group) reads it once every worker has collected.
 _GROUPS_FILE = "FLOWKV_TEST_GROUPS_FILE"
+_DURATIONS_FILE = "FLOWKV_TEST_DURATIONS_FILE"
+_DEFAULT_DURATIONS = os.path.join(os.path.expanduser("~"), ".cache", "flowkv", "test-durations.json")
+_unit_seconds: dict[str, float] | None = None  # a dict in the controller of a run with workers
 
 
 def test_group(item) -> str:
-    """The work unit ``item`` runs in under ``make test``'s workers."""
-    return "vllm" if item.get_closest_marker("vllm") else item.nodeid.split("::", 1)[0]
+    """The work unit ``item`` runs in under ``make test``'s workers: its module."""
+    return item.nodeid.split("::", 1)[0]
+
+
+def _durations_path() -> str:
+    return os.environ.get(_DURATIONS_FILE) or _DEFAULT_DURATIONS
 
 
 def _write_groups(config, items) -> None:
@@ -156,9 +165,11 @@ def _write_groups(config, items) -> None:
         return
     import json
 
+    groups = {item.nodeid: test_group(item) for item in items}
+    engines = sorted({groups[item.nodeid] for item in items if item.get_closest_marker("vllm")})
     part = f"{path}.{config.workerinput['workerid']}"
     with open(part, "w", encoding="utf-8") as out:
-        json.dump({item.nodeid: test_group(item) for item in items}, out)
+        json.dump({"groups": groups, "engines": engines}, out)
     os.replace(part, path)  # every worker collects the same tests: the last one to finish wins
 
 
@@ -171,6 +182,33 @@ def pytest_configure(config):
         os.close(fd)
         os.environ[_GROUPS_FILE] = path
         config.add_cleanup(lambda: os.path.exists(path) and os.unlink(path))
+        global _unit_seconds
+        _unit_seconds = {}
+
+
+def _record_unit_time(report) -> None:
+    if _unit_seconds is not None:
+        unit = report.nodeid.split("::", 1)[0]
+        _unit_seconds[unit] = _unit_seconds.get(unit, 0.0) + report.duration
+
+
+def _save_unit_times() -> None:
+    """Merge this run's seconds per module into the record the next run orders its modules by."""
+    if not _unit_seconds:
+        return
+    import json
+
+    path = _durations_path()
+    try:
+        with open(path, encoding="utf-8") as old:
+            record = json.load(old)
+    except (OSError, ValueError):
+        record = {}
+    record.update({unit: round(seconds, 1) for unit, seconds in _unit_seconds.items()})
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(f"{path}.tmp", "w", encoding="utf-8") as out:
+        json.dump(record, out, indent=0, sort_keys=True)
+    os.replace(f"{path}.tmp", path)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -180,15 +218,57 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class ByGroup(LoadScopeScheduling):
-        """One work unit per group (``test_group``); the largest (vLLM's) goes out first."""
+        """One work unit per group (``test_group``), the longest first."""
 
         groups: dict[str, str] | None = None
 
-        def _split_scope(self, nodeid: str) -> str:
+        def _load(self) -> dict[str, str]:
             if self.groups is None:
-                with open(os.environ[_GROUPS_FILE], encoding="utf-8") as groups:
-                    self.groups = json.load(groups)
-            return self.groups[nodeid]  # every collected test has its group
+                with open(os.environ[_GROUPS_FILE], encoding="utf-8") as written:
+                    found = json.load(written)
+                self.groups, self.engines = found["groups"], set(found["engines"])
+                try:
+                    with open(_durations_path(), encoding="utf-8") as record:
+                        self.seconds = json.load(record)
+                except (OSError, ValueError):
+                    self.seconds = {}
+            return self.groups
+
+        def _split_scope(self, nodeid: str) -> str:
+            return self._load()[nodeid]  # every collected test has its group
+
+        def _assign_work_unit(self, node) -> None:
+            # The first worker takes the engine modules, the second the others, each the longest of its
+            # kind first, and either the other kind once its own is done: two engines side by side slow
+            # each other's steps (2-6x for the in-process ones), an engine beside sockets hardly at all.
+            engines_first = int(node.gateway.id.removeprefix("gw")) % 2 == 0
+            for scope in self.workqueue:
+                if (scope in self.engines) == engines_first:
+                    self.workqueue.move_to_end(scope, last=False)
+                    break
+            super()._assign_work_unit(node)
+
+        def schedule(self) -> None:
+            first = self.collection is None
+            if first and self.collection_is_completed:
+                self._load()
+                # xdist orders its queue as it builds it: build it, order it, then hand out.
+                assign, self._assign_work_unit = self._assign_work_unit, lambda node: None
+                try:
+                    super().schedule()
+                finally:
+                    self._assign_work_unit = assign
+                longest = sorted(self.workqueue.items(), key=lambda unit: (
+                    -self.seconds.get(unit[0], 0.0), unit[0] not in self.engines, -len(unit[1])))
+                self.workqueue.clear()
+                self.workqueue.update(longest)
+                for node in self.nodes:
+                    if self.workqueue:
+                        self._assign_work_unit(node)
+                for node in self.nodes:
+                    self._reschedule(node)
+                return
+            super().schedule()
 
     if config.getvalue("dist") != "loadgroup":
         return None

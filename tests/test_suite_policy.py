@@ -1,10 +1,12 @@
 """The suite's own rules, run on a throw-away test folder with this suite's conftest.py:
 under CI=true a skip fails the run unless it is excused (no CUDA device), and ``--shuffle SEED``
 runs modules and their tests in another order while keeping each module's tests together, and
-``make test``'s two workers run every vLLM test on one of them and each other module whole."""
+``make test``'s two workers run each module whole, engine modules beside the others, the longest (as the
+last run recorded) first."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -17,9 +19,14 @@ HERE = Path(__file__).resolve().parent
 
 def run_pytest(folder: Path, *args: str, ci: bool) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "CI"}
+    # the record of module times the suite's scheduler keeps: this folder's own
+    env["FLOWKV_TEST_DURATIONS_FILE"] = str(folder / "durations.json")
     if ci:
         env["CI"] = "true"
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, str(folder)],
+    # its temporary folders inside its own: pytest keeps the last three under /tmp, and a nested run there
+    # would push out the folders (server logs included) of the run around it
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"--basetemp={folder / '.tmp'}", *args, str(folder)],
                           cwd=folder, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -109,17 +116,39 @@ def workers_of(out: subprocess.CompletedProcess[str], folder: Path) -> dict[str,
     return ran
 
 
-def test_make_tests_workers_run_every_vllm_test_on_one_worker_and_each_other_module_whole(tmp_path):
+def order_of(folder: Path) -> list[tuple[str, str]]:
+    """(module, worker) of each test in the order they ran."""
+    return re.findall(r"(\w+) (gw\d)", (folder / "ran.log").read_text())
+
+
+def first_on_each_worker(folder: Path) -> dict[str, str]:
+    first: dict[str, str] = {}
+    for module, worker in order_of(folder):
+        first.setdefault(worker, module)
+    return first
+
+
+def test_make_tests_workers_run_engine_modules_beside_the_others_each_whole_the_longest_first(tmp_path):
     folder = suite(tmp_path / "workers", WORKER_FILES)
     (folder / "pytest.ini").write_text("[pytest]\nmarkers =\n    vllm: starts vLLM\n")
-    ran = workers_of(run_pytest(folder, "-n", "2", "--dist", "loadgroup", ci=False), folder)
+    out = run_pytest(folder, "-n", "2", "--dist", "loadgroup", ci=False)
+    first = first_on_each_worker(folder)
+    ran = workers_of(out, folder)
     assert sorted(ran) == ["engine0", "engine1", "other0", "other1", "other2"]
     assert all(len(workers) == 1 for workers in ran.values()), ran  # a module whole on one worker
-    assert ran["engine0"] == ran["engine1"]  # every vLLM test on the same one
-    assert set().union(*ran.values()) == {"gw0", "gw1"}  # and the others beside it
+    # The first worker starts on an engine module, the second on another kind beside it.
+    assert first["gw0"].startswith("engine") and first["gw1"].startswith("other"), first
+    # The run recorded each module's seconds; the next run hands out the longest of each kind first.
+    record = json.loads((folder / "durations.json").read_text())
+    assert set(record) == {f"test_{name}.py" for name in ran} and record["test_engine0.py"] > record["test_other0.py"]
+    record.update({"test_other2.py": 100.0, "test_other1.py": 50.0, "test_engine1.py": 80.0})
+    (folder / "durations.json").write_text(json.dumps(record))
+    out = run_pytest(folder, "-n", "2", "--dist", "loadgroup", ci=False)
+    assert first_on_each_worker(folder) == {"gw0": "engine1", "gw1": "other2"}
+    workers_of(out, folder)
     # The same under --shuffle: groups do not depend on the order.
     shuffled = workers_of(run_pytest(folder, "-n", "2", "--dist", "loadgroup", "--shuffle", "3", ci=False), folder)
-    assert shuffled["engine0"] == shuffled["engine1"] and all(len(w) == 1 for w in shuffled.values())
+    assert all(len(w) == 1 for w in shuffled.values()), shuffled
 
 
 def test_xdists_own_loadgroup_does_not_group_under_this_pytest(tmp_path):
