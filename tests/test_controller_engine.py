@@ -100,6 +100,7 @@ def test_a_prefetch_command_is_the_engines_lookup_a_partial_last_chunk_included(
     others, is found and promoted at its own shape (not one of a whole chunk)."""
     controller, engine, lock, holder, geometry = fleet
     first = store(engine, lock, geometry, seed=3, chunks=2, extra=CHUNK // 2)
+    assert holder.reporter.wait_idle(60)  # registered, and its stores reported: the controller knows it
     keys = [key.to_str() for key in engine.chunk_keys(Request(tokens=torch.tensor(first)))]
     with lock:
         engine.memory.clear()  # on disk only
