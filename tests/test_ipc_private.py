@@ -10,6 +10,7 @@ user is ``nobody`` (``local_users``).
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import tempfile
 import time
@@ -26,10 +27,11 @@ def answer_hits(header: dict, tokens: np.ndarray) -> dict:
     return {"hits": int(tokens.size)}
 
 
-def test_the_default_folder_is_made_0700_by_its_owner(monkeypatch):
+def test_the_default_folder_is_made_0700_by_its_owner(monkeypatch, request):
     # A short temporary folder of its own: pytest's numbered one, under xdist's worker folder, can
     # leave no room for the socket's name in a Unix socket's 107 bytes.
     tmp_path = Path(tempfile.mkdtemp(prefix="fkv-ipc-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(tmp_path, ignore_errors=True))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     folder = default_ipc_dir()
     assert folder == tmp_path / f"flowkv-{os.getuid()}" and not folder.exists()
