@@ -20,7 +20,8 @@ its tests end (a TP=2 start costs 25-40 s on two cores):
 4. ``node`` on one ``flowkv server`` both ranks share (plus the
    ``node_servers:hold`` store stage for tagged requests): the document loads
    whole; one rank's entries removed from the server (its operator
-   ``remove``) shorten the hit. Last, one rank's worker killed with SIGKILL
+   ``remove``) shorten the hit; a single-rank instance (a ``vllm.LLM`` in the
+   test's process) shares the server with both ranks. Last, one rank's worker killed with SIGKILL
    while a request streams and another's store holds rooms in the server:
    vLLM's engine dies and its API server exits, as vLLM handles a dead
    worker, and the node server keeps no room, read or pin of theirs.
@@ -32,6 +33,7 @@ ranks' answers. One story in steps: the module keeps its order under --shuffle.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import threading
@@ -48,7 +50,7 @@ from node_servers import HOLD_TAG, node_servers, wait_for  # noqa: F401 - pytest
 from rank_stages import RANK_GAP_TAG
 from redis_servers import redis_server  # noqa: F401 - pytest fixture
 from vllm_helpers import CHUNK_SIZE, random_tokens
-from vllm_server import MODEL_NAME, README, REDIS_TIMEOUT_S, VllmServer, _sse_events, shell_commands, start_server
+from vllm_server import MODEL_NAME, README, REDIS_PATIENCE, VllmServer, _sse_events, shell_commands, start_server
 
 from flowkv.keys import CacheKey, chain_hashes
 from flowkv.pipeline import dumps_pipeline
@@ -202,7 +204,7 @@ class TestCpuRedis:
         try:
             server = parallel_server(folder / "serve", {
                 "pipeline": "cpu-redis", "tiers.redis.url": redis_server.url, "tiers.redis.namespace": cls.NAMESPACE,
-                "tiers.redis.timeout_s": REDIS_TIMEOUT_S,
+                **REDIS_PATIENCE,
                 "controller": {"url": controller.url, "instance_id": "tp-redis", "heartbeat_s": 0.5,
                                "token_file": str(controller.token_file)}}, pipeline="cpu-redis")
             try:
@@ -347,6 +349,28 @@ class TestNode:
             conn.close()
         output, cached = ask(flowkv, doc + QUESTIONS[1])
         assert cached == 3 * CHUNK_SIZE and output == reference(doc + QUESTIONS[1])
+
+    def test_a_single_rank_instance_shares_the_node_server_with_both_ranks(self, reference, node, flowkv):
+        """Another instance (one rank, a ``vllm.LLM`` in this process) on the same node server: each instance
+        stores and loads its own entries beside the other's (its keys carry world size 1), and the TP
+        instance still loads its document whole afterwards."""
+        from vllm_helpers import generate, make_llm, request, shutdown_llm
+
+        tp_doc, doc = random_tokens(8011, DOC_TOKENS), random_tokens(8010, DOC_TOKENS)
+        assert ask(flowkv, tp_doc + QUESTIONS[0])[1] == 0
+        llm = make_llm({"pipeline": "node", "tiers.node.socket": str(node.socket)})
+        try:
+            (cold, cold_cached), = generate(llm, [request(doc + QUESTIONS[0], max_tokens=MAX_TOKENS)])
+            (warm, warm_cached), = generate(llm, [request(doc + QUESTIONS[0], max_tokens=MAX_TOKENS)])
+        finally:
+            shutdown_llm(llm)
+        assert (cold_cached, warm_cached) == (0, DOC_TOKENS) and warm == cold
+        held = collections.Counter((parsed.prefix.world_size, parsed.prefix.worker_rank)
+                                   for parsed in map(CacheKey.from_str, self.snapshot(node)))
+        # the single-rank instance's eight chunks, beside both ranks' shards of the TP instance's document
+        assert held[(1, 0)] == 8 and held[(2, 0)] >= 8 and held[(2, 1)] >= 8 and set(held) == {(1, 0), (2, 0), (2, 1)}
+        output, cached = ask(flowkv, tp_doc + QUESTIONS[1])
+        assert cached == DOC_TOKENS and output == reference(tp_doc + QUESTIONS[1])
 
     def test_a_ranks_worker_killed_mid_run_ends_the_engine_and_leaves_nothing_held_in_the_node_server(
             self, node, flowkv, tmp_path):
