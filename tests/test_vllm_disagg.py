@@ -45,7 +45,7 @@ import vllm  # noqa: F401 - a broken vLLM install fails these tests; it never sk
 from node_servers import node_servers, wait_for  # noqa: F401 - pytest fixture
 from redis_servers import redis_server  # noqa: F401 - pytest fixture
 from vllm_helpers import BLOCK_SIZE, random_tokens
-from vllm_server import (MODEL_NAME, REDIS_TIMEOUT_S, VllmServer, _join_stream, _sse_events, metric_value,
+from vllm_server import (MODEL_NAME, REDIS_PATIENCE, VllmServer, _join_stream, _sse_events, metric_value,
                          readme_transfer_configs, start_servers)
 
 from flowkv.integration.vllm.disagg import prefill_answer
@@ -324,7 +324,7 @@ def on_redis(instances, redis_server, tmp_path_factory):  # noqa: F811 - the fix
     template = folder / "chat.jinja"
     template.write_text(CHAT_TEMPLATE, encoding="utf-8")
     shared = {"pipeline": "cpu-redis", "chunk_size": BLOCK_SIZE, "tiers.redis.url": redis_server.url,
-              "tiers.redis.namespace": "pd-test", "tiers.redis.timeout_s": REDIS_TIMEOUT_S}
+              "tiers.redis.namespace": "pd-test", **REDIS_PATIENCE}
     started = start_servers(folder, {
         "prefill": instance_options(core=0, role="kv_producer", kv_extra=shared, template=template),
         "decode": instance_options(core=1, role="kv_consumer", template=template,
