@@ -97,7 +97,11 @@ def test_sigterm_with_a_shutdown_timeout_drains_stores_and_leaves_no_socket(tmp_
     document reaches the disk tier, the worker exits on its own (no force kill) and takes its
     socket file along. At start, the socket file a killed server left is removed; a live one stays."""
     disk = tmp_path / "disk"
+    # vLLM gives a worker VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s) to exit before it kills it: on a loaded
+    # two-core machine a worker's exit (flowkv's flush and close, then the interpreter's) was seen to take
+    # longer, and vLLM then logs no "all workers exited gracefully". The README tells users to raise it there.
     server = VllmServer(tmp_path / "server", args=["--shutdown-timeout", "60"],
+                        env={"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "60"},
                         kv_extra={"pipeline": "cpu-disk", "chunk_size": CHUNK, "tiers.disk.path": str(disk)})
     stale = server.ipc_dir / "flowkv-1234567890-dp0-r0.sock"
     live = server.ipc_dir / "flowkv-other-dp0-r0.sock"
