@@ -42,7 +42,7 @@ def _lossy(config: CompressConfig) -> bool:
     return not codecs.get_codec(config.codec).lossless
 
 
-@stage("compress", kinds=("store",), needs={"kv"}, gives={"payload"}, config=CompressConfig, role=Role.CODEC,
+@stage("compress", kinds=("store", "server"), needs={"kv"}, gives={"payload"}, config=CompressConfig, role=Role.CODEC,
        lossy=_lossy, encodings=lambda config: [(config.codec, config.params())])
 def compress(chunks: Iterator[Chunk], *, ctx: RunContext, config: CompressConfig) -> Iterator[Chunk]:
     """Encode each chunk's KV with ``codec`` (a header with a checksum, then the body).
@@ -53,7 +53,9 @@ def compress(chunks: Iterator[Chunk], *, ctx: RunContext, config: CompressConfig
     ``int8``, ``int4`` (``group_size``, ``key_group_size``, ``scale_dtype``);
     with a lossy codec, ``window = N`` keeps the last N tokens of each stored
     prefix exact (`flowkv.codecs.prefix_window`). Tiers that a later ``put`` writes get the encoded
-    payload; ``flowkv bench codecs`` measures them on real KV.
+    payload; ``flowkv bench codecs`` measures them on real KV. A chunk that
+    comes encoded already (a node server's, committed by a client that
+    compressed it) passes as it is.
 
     TOML::
 
@@ -64,6 +66,9 @@ def compress(chunks: Iterator[Chunk], *, ctx: RunContext, config: CompressConfig
     """
     params = config.params()
     for chunk in chunks:
+        if chunk.kv is None:
+            yield chunk
+            continue
         # A segment's KV was computed where it sat: record it (memory: the object's
         # meta; byte tiers: the payload header), so a load elsewhere re-rotates its keys.
         start = chunk.start if chunk.segment_start is not None else None
