@@ -87,6 +87,8 @@ class CacheEngine:
                                  storage=self.storage, counters=self.accounting, blend=pipeline.blend)
         self.tracer = telemetry.tracer_for(pipeline.telemetry)
         self.executor = Executor(pipeline, self.services, accounting=self.accounting, tracer=self.tracer)
+        if self.executor.decoders:  # promoted raw payloads land decoded, through the pipeline's own stages
+            self.storage.decode_promotions_with(self.executor.decode_promotion)
 
     @classmethod
     def from_pipeline(

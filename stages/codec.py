@@ -95,6 +95,9 @@ def stored_end(services: Any, request: Any) -> int:
 def decompress(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
     """Decode each encoded chunk, checking its header and checksum; raw chunks pass.
 
+    A chunk that comes with a room for its KV (``chunk.obj`` holding no
+    payload: a byte-tier hit being promoted into memory, in an engine's
+    ``flowkv.promote`` run) is decoded into it; any other into a new tensor.
     A payload that fails any check (corrupt, truncated, another codec or
     shape) is a miss: it is dropped from its tier, counted, and the run ends
     there so the mask keeps only the good prefix.
@@ -110,13 +113,17 @@ def decompress(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
         if chunk.skip or chunk.kv is not None:
             yield chunk
             continue
+        room = chunk.obj if chunk.obj is not None and "codec" not in chunk.obj.meta else None
         try:
-            chunk.kv = payloads.decode(
-                chunk.payload,
-                expect_shape=services.chunk_shape(chunk.num_tokens),
-                expect_dtype=dtype,
-                expect_key=chunk.key_str,
-            )
+            if room is not None:
+                chunk.kv = payloads.decode_into(chunk.payload, room.tensor, expect_key=chunk.key_str)
+            else:
+                chunk.kv = payloads.decode(
+                    chunk.payload,
+                    expect_shape=services.chunk_shape(chunk.num_tokens),
+                    expect_dtype=dtype,
+                    expect_key=chunk.key_str,
+                )
         except payloads.PayloadError as exc:
             services.storage.discard(chunk.key_str, chunk.tier, exc)
             chunk.request.fail_from(chunk)
