@@ -248,6 +248,12 @@ def test_a_promoted_chunk_is_decoded_by_the_pipelines_own_decode_stage_in_a_span
     assert len(promotions) == 3 and {by_id[s.parent_span_id].name for s in promotions} == {"get"}
     decodes = [s for s in spans if s.parent_span_id in {p.span_id for p in promotions}]
     assert [(s.name, s.attributes["flowkv.stage.role"]) for s in decodes] == [("decompress-counted", "codec")] * 3
+    # The trace summary shows the promotions' decode as runs of their own.
+    from flowkv.tracetools import summarize
+
+    summary = summarize(spans)
+    assert summary.runs["promote"] == 3
+    assert [(s.kind, s.stage) for s in summary.stages if s.kind == "promote"] == [("promote", "decompress-counted")]
 
 
 # -- a store batch is its caller's own ---------------------------------------------------
