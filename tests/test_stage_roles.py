@@ -208,6 +208,11 @@ def test_a_node_server_runs_its_pipelines_server_list_or_an_engine_files_store_t
     with caplog.at_level("WARNING", logger="flowkv.server"):
         assert shown(pipeline) == [("put", {"tiers": None})]
     assert "stage 'halve-precision'" in caplog.text and "declare a [server] list" in caplog.text
+    # A file of tiers alone (no list at all): its chunks still reach the lower tiers, raw, through put.
+    path.write_text('[pipeline]\nname = "tiers-only"\n\n[tiers.memory]\nkind = "memory"\n\n'
+                    '[tiers.disk]\nkind = "disk"\npath = "/tmp/flowkv-unused"\ncapacity = "1GiB"\n')
+    [bare] = server_stages(load_pipeline(path))
+    assert (bare.name, bare.role, bare.settings) == ("put", "tier-io", {"tiers": None})
 
 
 NO_CODEC = {name: None for name in ("level", "acceleration", "group_size", "key_group_size", "scale_dtype", "scaling",
