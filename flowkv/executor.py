@@ -116,7 +116,14 @@ class Executor:
             self.run("promote", [chunk], ctx)
         finally:
             ctx.run_deferred()
-        return chunk.kv is not None
+        kv, target = chunk.kv, room.tensor
+        if kv is None:
+            return False
+        if kv.data_ptr() != target.data_ptr():  # a decode stage that made a tensor of its own
+            if tuple(kv.shape) != tuple(target.shape) or kv.dtype != target.dtype:
+                return False
+            target.copy_(kv)
+        return True
 
     def submit_layer(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
         """Queue ``fn(*args)`` on the one thread that runs per-layer blocks in order."""
