@@ -130,9 +130,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
         count = len(errors)
         print(f"{args.source}: {count} error{'s' if count > 1 else ''}", file=sys.stderr)
         return 1
-    print(f"{pipeline.source}: ok ({len(pipeline.store)} store, {len(pipeline.retrieve)} retrieve, "
-          f"{len(pipeline.lookup)} lookup stages; tiers: {', '.join(pipeline.tiers) or 'none'})")
+    counts = ", ".join(f"{len(pipeline.stages(kind))} {kind}" for kind in _lists(pipeline))
+    print(f"{pipeline.source}: ok ({counts} stages; tiers: {', '.join(pipeline.tiers) or 'none'})")
     return 0
+
+
+def _lists(pipeline) -> tuple[str, ...]:
+    """The stage lists a pipeline runs: a node server's one, or an engine's three."""
+    return ("server",) if pipeline.server else ("store", "retrieve", "lookup")
 
 
 def describe(pipeline) -> dict[str, Any]:
@@ -174,9 +179,7 @@ def describe(pipeline) -> dict[str, Any]:
             name: {"kind": t.kind, "implementation": t.info.origin, "at": t.location.short, **plain(t.config)}
             for name, t in pipeline.tiers.items()
         },
-        "store": stages(pipeline.store),
-        "retrieve": stages(pipeline.retrieve),
-        "lookup": stages(pipeline.lookup),
+        **{kind: stages(pipeline.stages(kind)) for kind in _lists(pipeline)},
         "layerwise": plain(pipeline.layerwise),
         "telemetry": plain(pipeline.telemetry),
         "vllm": plain(pipeline.vllm),
@@ -209,7 +212,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"[tiers.{name}]")
         for key, value in table.items():
             print(setting(f"tiers.{name}", key, value))
-    for kind in ("store", "retrieve", "lookup"):
+    for kind in _lists(pipeline):
         chain = " -> ".join(s["use"] for s in info[kind]) or "(none)"
         print(f"{kind}: {chain}")
         for stage_info in info[kind]:

@@ -61,6 +61,10 @@ class CacheEngine:
         clock: Clock | None = None,
     ) -> None:
         """``clock`` paces pin deadlines and the pin timer (`flowkv.clock.ManualClock` in tests)."""
+        if pipeline.server:
+            raise ValueError(f"pipeline '{pipeline.name}' ({pipeline.source}) is a node server's (its [server] "
+                             "list): `flowkv server --pipeline` runs it; an engine uses a pipeline with a tier of "
+                             "kind 'server' (such as node or node-disk)")
         self.pipeline = pipeline
         self.geometry = geometry
         self.model_name = model_name
@@ -83,6 +87,8 @@ class CacheEngine:
                                  storage=self.storage, counters=self.accounting, blend=pipeline.blend)
         self.tracer = telemetry.tracer_for(pipeline.telemetry)
         self.executor = Executor(pipeline, self.services, accounting=self.accounting, tracer=self.tracer)
+        if self.executor.decoders:  # promoted raw payloads land decoded, through the pipeline's own stages
+            self.storage.decode_promotions_with(self.executor.decode_promotion)
 
     @classmethod
     def from_pipeline(

@@ -5,6 +5,8 @@
     lookup / store / retrieve       -> one Runner over the kind's stage list
     store_layerwise / retrieve_...  -> head (once) | per-layer block (each layer,
                                        on the layer worker) | tail (once)
+    decode_promotion                -> the retrieve list's decode stages ("flowkv.promote"),
+                                       over a byte-tier hit the storage manager promotes
 
 It owns the runners and layerwise segments, the layer worker thread, and the
 accounting (counters, latencies, the failed-run health window: one object,
@@ -33,7 +35,10 @@ from flowkv.calls import KVTransfer, LookupResult, RetrieveResult, StoreResult, 
 from flowkv.items import Chunk, Request, RunContext, Services
 from flowkv.layerwise import LayerwiseRetrieve, LayerwiseStore
 from flowkv.pipeline import Pipeline
+from flowkv.registry import Facet, Role
 from flowkv.runner import Runner, StageError
+from flowkv.tenants import TENANT_TAG
+from flowkv.tiers.base import Entry, TierObject
 
 __all__ = ["Executor"]
 
@@ -60,6 +65,9 @@ class Executor:
                 first, last = per_layer[0], per_layer[-1] + 1
                 for part, chosen in zip(_PARTS, (specs[:first], specs[first:last], specs[last:])):
                     self._runners[(kind, part)] = self._runner(pipeline, kind, chosen)
+        #: the retrieve list's decode stages (codecs that give KV), which promotions run too
+        self.decoders = tuple(s for s in pipeline.retrieve if s.info.role is Role.CODEC and Facet.KV in s.info.gives)
+        self._runners[("promote", "all")] = self._runner(pipeline, "promote", self.decoders)
         self._lock = threading.Lock()  # guards the layer worker's creation and shutdown
         self._layer_worker: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -95,6 +103,27 @@ class Executor:
             return self.run(kind, [request], ctx)
         finally:
             ctx.run_deferred()
+
+    def decode_promotion(self, entry: Entry, payload: Any, room: TierObject) -> bool:
+        """Decode a byte-tier hit being promoted into ``room`` (a memory object of its shape) through
+        the pipeline's own decode stages: one run, ``flowkv.promote``, a span per stage. Whether the
+        room now holds its KV (a corrupt payload: the decode stage counted and refused it)."""
+        tokens = entry.shape[2]  # a chunk's shape: (layers, kv, tokens, heads, head_size)
+        request = Request(tokens=None, length=tokens, tags={TENANT_TAG: entry.tenant})
+        chunk = Chunk(request, 0, 0, tokens, key_str=entry.key, obj=room, payload=payload, tier=entry.tier)
+        ctx = self.context("promote", request)
+        try:
+            self.run("promote", [chunk], ctx)
+        finally:
+            ctx.run_deferred()
+        kv, target = chunk.kv, room.tensor
+        if kv is None:
+            return False
+        if kv.data_ptr() != target.data_ptr():  # a decode stage that made a tensor of its own
+            if tuple(kv.shape) != tuple(target.shape) or kv.dtype != target.dtype:
+                return False
+            target.copy_(kv)
+        return True
 
     def submit_layer(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
         """Queue ``fn(*args)`` on the one thread that runs per-layer blocks in order."""

@@ -122,10 +122,12 @@ class Services:
     Built-in stages use exactly this; so does a user's stage (``ctx.services``).
     """
 
-    geometry: KVGeometry  # the paged KV cache's layout; chunk shapes and dtype
+    # The paged KV cache's layout; chunk shapes and dtype. None in a node server's [server]
+    # list (one server holds many engines' chunks; the stages that may run there read no geometry).
+    geometry: KVGeometry | None
     chunk_size: int  # tokens per chunk ([pipeline] chunk_size)
     save_partial_chunks: bool  # store a last chunk shorter than chunk_size ([pipeline])
-    keys: ChunkKeys  # chunk keys: keys.of(tokens, tags, spans)
+    keys: ChunkKeys | None  # chunk keys: keys.of(tokens, tags, spans); None in a [server] list (chunks come keyed)
     storage: StorageManager  # the ordered tiers: find, read, allocate, put, pin, prefetch
     counters: Counters  # counters.count(name, n): shown in stats() and the vLLM metrics
     blend: BlendSpec | None = None  # the pipeline's [blend] table (separator, ratio), None without one
@@ -157,7 +159,7 @@ class RunContext:
     OpenTelemetry.
     """
 
-    kind: str  # "store", "retrieve" or "lookup"
+    kind: str  # "store", "retrieve", "lookup", or "server" (a node server's writer)
     request: Request | None = None
     services: Services | None = None
     layer: int | None = None

@@ -112,12 +112,15 @@ def dumps_pipeline(
     retrieve: list[StageEntry],
     lookup: list[StageEntry] | None = None,
     sections: Mapping[str, Mapping[str, Any]] | None = None,
+    server: list[StageEntry] | None = None,
 ) -> str:
     """TOML text of a pipeline file, for tools and benchmarks that build one.
 
     A stage is its name, or ``(name, settings)``; values are strings,
     numbers, booleans or lists of those. ``sections`` adds tables such as
-    ``telemetry`` or ``layerwise``. ``loads_pipeline`` reads the result back.
+    ``telemetry`` or ``layerwise``; ``server`` is a node server's list (its
+    file then has no store or retrieve list: pass ``[]``). ``loads_pipeline``
+    reads the result back.
     """
 
     def table(header: str, values: Mapping[str, Any]) -> str:
@@ -125,7 +128,7 @@ def dumps_pipeline(
 
     parts = [table("[pipeline]", pipeline)]
     parts += [table(f"[tiers.{name}]", values) for name, values in tiers.items()]
-    for kind, stages in (("store", store), ("retrieve", retrieve), ("lookup", lookup or [])):
+    for kind, stages in (("store", store), ("retrieve", retrieve), ("lookup", lookup or []), ("server", server or [])):
         for entry in stages:
             name, settings = (entry, {}) if isinstance(entry, str) else entry
             parts.append(table(f"[[{kind}.stages]]", {"use": name, **settings}))
@@ -141,6 +144,7 @@ _SECTIONS = {
     "store": None,
     "retrieve": None,
     "lookup": None,
+    "server": None,
     "layerwise": LayerwiseSpec,
     "telemetry": TelemetrySpec,
     "vllm": VllmSpec,
@@ -265,7 +269,7 @@ class _Loader:
         blend = self.structure_table(raw, "blend", BlendSpec) if "blend" in raw else None
         tiers = self.structure_tiers(raw.get("tiers", {}))
         lists: dict[str, tuple[StageSpec, ...]] = {}
-        for kind in ("store", "retrieve", "lookup"):
+        for kind in registry.PIPELINE_KINDS:
             lists[kind] = self.structure_stages(raw, kind)
         if "lookup" not in raw:
             # Without its own list, lookup runs the head of retrieve that may run in lookup.
@@ -301,6 +305,7 @@ class _Loader:
             extends=self.extends,
             origins={".".join(map(str, path)): f"{file}:{line}" for path, (file, line, _) in self.positions.items()},
             blend=blend,
+            server=lists["server"],
         )
 
     def check_blend(self, blend: BlendSpec | None, lists: dict[str, tuple[StageSpec, ...]],
@@ -551,7 +556,9 @@ class _Loader:
                        "exporter 'otlp' needs an endpoint (e.g. endpoint = \"http://localhost:4317\")",
                        "missing-key")
         object_tiers = [name for name, spec in tiers.items() if spec.info.holds == "objects"]
-        if tiers and not object_tiers:
+        if "server" in raw:
+            self.check_server_file(raw)
+        elif tiers and not object_tiers:
             self.error(("tiers",), "declare a tier that holds objects, of kind 'memory' or 'server' (found none): "
                        "store stages chunks in the first one", "graph")
         # Object tiers of different kinds may chain (memory -> server: a copy step between them);
@@ -574,6 +581,17 @@ class _Loader:
             for kind in ("store", "retrieve"):
                 self.check_layer_segment(kind, lists[kind])
 
+    def check_server_file(self, raw: dict[str, Any]) -> None:
+        """A file with a [server] list is a node server's: the server's arena is its object tier (it
+        declares none, or a memory tier for its tenants' quotas), and it runs no engine lists."""
+        for kind in ("store", "retrieve", "lookup"):
+            if kind in raw:
+                file, line, col = self.where((kind,))
+                self.error(("server",), f"[server]: a file with a [server] list is a node server's pipeline "
+                           f"(`flowkv server --pipeline`), which runs no {kind} list, but this one has one "
+                           f"({file}:{line}:{col}): drop it (and an extends of an engine's pipeline); vLLM uses "
+                           "a pipeline with a tier of kind 'server' (such as node or node-disk)", "graph")
+
     def check_layer_segment(self, kind: str, specs: tuple[StageSpec, ...]) -> None:
         """Layerwise lists run as head (once), per-layer stages (each layer), tail (once)."""
         positions = [i for i, spec in enumerate(specs) if spec.info.per_layer]
@@ -589,13 +607,15 @@ class _Loader:
                        "a layerwise list runs its per-layer stages as one block", "graph")
 
     def check_list(self, kind: str, specs: tuple[StageSpec, ...], tiers: dict[str, TierSpec]) -> None:
-        given: set[str] = {Facet.REQUEST}
+        given: set[str] = set(_SOURCE_GIVES.get(kind, {Facet.REQUEST}))
+        # A server's arena is its tier "memory", declared or not.
+        known_tiers = [*tiers, *(["memory"] if kind == "server" and "memory" not in tiers else [])]
         for spec in specs:
             path = (kind, "stages", spec.index)
             if kind not in spec.info.kinds:
                 self.error(path + ("use",),
                            f"stage '{spec.name}' cannot run in a {kind} pipeline "
-                           f"(it runs in: {', '.join(sorted(spec.info.kinds))})", "graph")
+                           f"(it runs in: {_kinds(spec)})", "graph")
             missing = spec.info.needs - given
             if missing:
                 providers = _providers(missing)
@@ -608,11 +628,21 @@ class _Loader:
                 if field_name not in ("tier", "tiers") or value is None:
                     continue
                 for tier_name in [value] if isinstance(value, str) else list(value):
-                    if tier_name not in tiers:
+                    if tier_name not in known_tiers:
                         self.error(path + (field_name,),
                                    f"stage '{spec.name}': tier '{tier_name}' is not declared"
-                                   f"{did_you_mean(tier_name, tiers)} (declare [tiers.{tier_name}])",
+                                   f"{did_you_mean(tier_name, known_tiers)} (declare [tiers.{tier_name}])",
                                    "unknown-tier")
+
+
+# What a list's source items carry: a request (store, retrieve, lookup), or for a node server's list
+# the chunks clients committed to its arena: keyed, in their buffer, with their KV.
+_SOURCE_GIVES: dict[str, frozenset[Facet]] = {"server": frozenset({Facet.KEY, Facet.BUFFER, Facet.KV})}
+
+
+def _kinds(spec: StageSpec) -> str:
+    """The lists a stage may run in, in the order a file declares them."""
+    return ", ".join(kind for kind in registry.PIPELINE_KINDS if kind in spec.info.kinds)
 
 
 def _providers(facets: set[str] | frozenset[str]) -> list[str]:

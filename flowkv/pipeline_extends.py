@@ -38,14 +38,14 @@ from typing import Any
 
 from flowkv._tomlpos import key_positions
 from flowkv.pipeline_model import Diagnostic, PipelineError
-from flowkv.registry import did_you_mean
+from flowkv.registry import PIPELINE_KINDS, did_you_mean
 
 __all__ = ["Positions", "read_layers"]
 
 #: A table's or key's path in the raw TOML -> (file, line, column) where it was written.
 Positions = dict[tuple[str | int, ...], tuple[str, int, int]]
 
-_LISTS = ("store", "retrieve", "lookup")
+_LISTS = PIPELINE_KINDS
 
 
 def read_layers(

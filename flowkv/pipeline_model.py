@@ -51,7 +51,7 @@ class Location:
 
 @attrs.frozen
 class StageSpec:
-    """One ``[[store.stages]]`` (or retrieve/lookup) table, resolved and structured."""
+    """One ``[[store.stages]]`` (or retrieve/lookup/server) table, resolved and structured."""
 
     use: str  # the name as written
     info: StageInfo
@@ -196,13 +196,17 @@ class Pipeline:
     # Where each table and key was written: "pipeline.chunk_size" -> "FILE:LINE" (defaults have none).
     origins: dict[str, str] = attrs.field(factory=dict, eq=False, repr=False)
     blend: BlendSpec | None = None  # [blend]; None: no blending
+    # [[server.stages]]: a node server's pipeline runs these on each chunk a client commits to its
+    # arena (on its writer thread: e.g. compress, then put to the lower tiers). Such a file has no
+    # store, retrieve or lookup list: vLLM uses a pipeline with a tier of kind "server".
+    server: tuple[StageSpec, ...] = ()
 
     @property
     def chunk_size(self) -> int:
         return self.section.chunk_size
 
     def stages(self, kind: str) -> tuple[StageSpec, ...]:
-        return {"store": self.store, "retrieve": self.retrieve, "lookup": self.lookup}[kind]
+        return {"store": self.store, "retrieve": self.retrieve, "lookup": self.lookup, "server": self.server}[kind]
 
     def store_codec(self) -> tuple[str, dict[str, Any]]:
         """The codec and the parameters set for it of the store list's first codec stage (by its

@@ -30,7 +30,9 @@ import attrs
 ENTRY_POINT_GROUP = "flowkv.plugins"
 # The group's first name: still read, with a DeprecationWarning when one of its names is used.
 DEPRECATED_ENTRY_POINT_GROUP = "flowkv.stages"
-PIPELINE_KINDS = ("store", "retrieve", "lookup")
+# The stage lists of a pipeline file; "server" is a node server's: it runs on each chunk a client
+# committed to the server's arena, on the server's writer thread (encode, then write the lower tiers).
+PIPELINE_KINDS = ("store", "retrieve", "lookup", "server")
 # Top-level pipeline tables a stage may declare it reads (``@stage(reads=...)``).
 READABLE_TABLES = ("blend",)
 
@@ -244,7 +246,8 @@ def stage(
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declare a generator function as a flowkv stage.
 
-    ``kinds`` lists the pipelines it may appear in (store, retrieve, lookup);
+    ``kinds`` lists the pipelines it may appear in (store, retrieve, lookup, and
+    a node server's ``server`` list);
     ``needs`` and ``gives`` are the item facets (`Facet`) it reads and adds; ``config``
     is an attrs class of its settings (the function then takes ``config``, the
     instance), else its keyword-only parameters are.

@@ -8,7 +8,7 @@ from typing import Any
 from flowkv.registry import Role, stage
 
 
-@stage("pass-through", kinds=("store", "retrieve", "lookup"), role=Role.FLOW, accepts_hashes=True)
+@stage("pass-through", kinds=("store", "retrieve", "lookup", "server"), role=Role.FLOW, accepts_hashes=True)
 def pass_through(items: Iterator[Any]) -> Iterator[Any]:
     """Yield every item unchanged.
 
@@ -20,7 +20,7 @@ def pass_through(items: Iterator[Any]) -> Iterator[Any]:
     yield from items
 
 
-@stage("take", kinds=("store", "retrieve", "lookup"), role=Role.FLOW, accepts_hashes=True)
+@stage("take", kinds=("store", "retrieve", "lookup", "server"), role=Role.FLOW, accepts_hashes=True)
 def take(items: Iterator[Any], *, limit: int) -> Iterator[Any]:
     """Yield the first ``limit`` items, then stop the run early.
 

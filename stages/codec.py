@@ -42,7 +42,7 @@ def _lossy(config: CompressConfig) -> bool:
     return not codecs.get_codec(config.codec).lossless
 
 
-@stage("compress", kinds=("store",), needs={"kv"}, gives={"payload"}, config=CompressConfig, role=Role.CODEC,
+@stage("compress", kinds=("store", "server"), needs={"kv"}, gives={"payload"}, config=CompressConfig, role=Role.CODEC,
        lossy=_lossy, encodings=lambda config: [(config.codec, config.params())])
 def compress(chunks: Iterator[Chunk], *, ctx: RunContext, config: CompressConfig) -> Iterator[Chunk]:
     """Encode each chunk's KV with ``codec`` (a header with a checksum, then the body).
@@ -53,7 +53,9 @@ def compress(chunks: Iterator[Chunk], *, ctx: RunContext, config: CompressConfig
     ``int8``, ``int4`` (``group_size``, ``key_group_size``, ``scale_dtype``);
     with a lossy codec, ``window = N`` keeps the last N tokens of each stored
     prefix exact (`flowkv.codecs.prefix_window`). Tiers that a later ``put`` writes get the encoded
-    payload; ``flowkv bench codecs`` measures them on real KV.
+    payload; ``flowkv bench codecs`` measures them on real KV. A chunk that
+    comes encoded already (a node server's, committed by a client that
+    compressed it) passes as it is.
 
     TOML::
 
@@ -64,6 +66,9 @@ def compress(chunks: Iterator[Chunk], *, ctx: RunContext, config: CompressConfig
     """
     params = config.params()
     for chunk in chunks:
+        if chunk.kv is None:
+            yield chunk
+            continue
         # A segment's KV was computed where it sat: record it (memory: the object's
         # meta; byte tiers: the payload header), so a load elsewhere re-rotates its keys.
         start = chunk.start if chunk.segment_start is not None else None
@@ -90,6 +95,9 @@ def stored_end(services: Any, request: Any) -> int:
 def decompress(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
     """Decode each encoded chunk, checking its header and checksum; raw chunks pass.
 
+    A chunk that comes with a room for its KV (``chunk.obj`` holding no
+    payload: a byte-tier hit being promoted into memory, in an engine's
+    ``flowkv.promote`` run) is decoded into it; any other into a new tensor.
     A payload that fails any check (corrupt, truncated, another codec or
     shape) is a miss: it is dropped from its tier, counted, and the run ends
     there so the mask keeps only the good prefix.
@@ -105,13 +113,17 @@ def decompress(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
         if chunk.skip or chunk.kv is not None:
             yield chunk
             continue
+        room = chunk.obj if chunk.obj is not None and "codec" not in chunk.obj.meta else None
         try:
-            chunk.kv = payloads.decode(
-                chunk.payload,
-                expect_shape=services.chunk_shape(chunk.num_tokens),
-                expect_dtype=dtype,
-                expect_key=chunk.key_str,
-            )
+            if room is not None:
+                chunk.kv = payloads.decode_into(chunk.payload, room.tensor, expect_key=chunk.key_str)
+            else:
+                chunk.kv = payloads.decode(
+                    chunk.payload,
+                    expect_shape=services.chunk_shape(chunk.num_tokens),
+                    expect_dtype=dtype,
+                    expect_key=chunk.key_str,
+                )
         except payloads.PayloadError as exc:
             services.storage.discard(chunk.key_str, chunk.tier, exc)
             chunk.request.fail_from(chunk)

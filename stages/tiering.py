@@ -62,13 +62,14 @@ def allocate(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
         yield chunk
 
 
-@stage("put", kinds=("store",), needs={"kv"}, gives={"stored"}, role=Role.TIER_IO)
+@stage("put", kinds=("store", "server"), needs={"kv"}, gives={"stored"}, role=Role.TIER_IO)
 def put(chunks: Iterator[Chunk], *, ctx: RunContext, tiers: list[str] | None = None) -> Iterator[Chunk]:
     """Store each chunk in the named tiers (default: all, in declaration order).
 
     The memory tier takes the chunk at once; slower tiers get its encoded
     payload through their bounded write-behind queue, so inference never
-    waits for a disk or a network.
+    waits for a disk or a network. A chunk is not put back into the tier it
+    is in (a node server's ``[server]`` list: its chunks are in the arena).
 
     TOML::
 
@@ -90,6 +91,8 @@ def put(chunks: Iterator[Chunk], *, ctx: RunContext, tiers: list[str] | None = N
             batch = storage.batch()
             ctx.defer(lambda batch=batch: _count_written(services, batch.commit()))
         for name in names:
+            if name == chunk.tier:
+                continue
             nbytes = batch.put(name, chunk.key_str, obj=chunk.obj, kv=chunk.kv, payload=chunk.payload,
                                tenant=chunk.request.tenant)
             if chunk.obj is not None and "codec" in chunk.obj.meta:

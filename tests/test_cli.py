@@ -66,7 +66,7 @@ def test_validate_builtin_ok(name, capsys):
     assert main(["pipeline", "validate", name, *(["--set", "blend.separator=[271, 198]"] if blends else [])]) == 0
     out = capsys.readouterr().out.strip()
     assert out.startswith(f"{builtin_pipelines()[name]}: ok (")
-    assert re.search(r"\d+ store, \d+ retrieve, \d+ lookup stages; tiers: \w", out)
+    assert re.search(r"(\d+ store, \d+ retrieve, \d+ lookup|\d+ server) stages; tiers: \w", out)
 
 
 def test_validate_prints_every_error_and_a_count(capsys):
@@ -224,3 +224,15 @@ def test_bench_serve_and_ttft_name_their_baselines(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "engine", "--help"])
     assert "--worker-conditions" in capsys.readouterr().out
+
+
+def test_show_a_server_pipeline_gives_its_server_list_only(capsys):
+    assert main(["pipeline", "show", "node-server-disk"]) == 0
+    out = capsys.readouterr().out
+    assert "server: compress -> put\n" in out
+    assert "store:" not in out and "retrieve:" not in out and "[tiers.memory]" not in out
+    assert main(["pipeline", "show", "--json", "node-server-disk"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert [s["use"] for s in info["server"]] == ["compress", "put"] and "store" not in info
+    assert main(["pipeline", "validate", "node-server-disk"]) == 0
+    assert "ok (2 server stages; tiers: disk)" in capsys.readouterr().out

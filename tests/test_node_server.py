@@ -329,6 +329,52 @@ def test_sigterm_drains_write_behind_and_removes_socket_and_token(node_servers, 
     e.close()
 
 
+def test_the_servers_own_stage_list_encodes_for_its_lower_tiers_with_a_span_per_stage(node_servers, tmp_path):
+    """A server pipeline's [server] list (compress, then put) runs on each committed chunk: the disk holds
+    its codec's payloads, each run is traced stage by stage, and a restarted server serves them again."""
+    from flowkv import payload as payloads
+    from flowkv import telemetry
+    from flowkv.pipeline import dumps_pipeline
+
+    disk, traces = tmp_path / "disk", tmp_path / "server-traces"
+    server_file = tmp_path / "server-zstd.toml"
+    server_file.write_text(dumps_pipeline(
+        pipeline={"name": "server-zstd"}, store=[], retrieve=[],
+        tiers={"disk": {"kind": "disk", "path": str(disk), "capacity": "256MiB", "timeout_s": 2.0}},
+        server=[("compress", {"codec": "zstd-shuffle", "level": 1}), "put"],
+        sections={"telemetry": {"exporter": "file", "folder": str(traces)}}))
+    node = node_servers("own-list", pipeline=server_file)
+    assert node.status()["lower"] == {"stages": ["compress", "put"], "queued": 0, "tiers": ["disk"]}
+    e = engine(node_pipeline(tmp_path, node.socket, name="own-list"))
+    ids, slots, src = tokens(90000), slots_for(TOKENS), kv_for(16)
+    assert e.store(ids, kv_caches=src, slot_mapping=slots) == TOKENS
+    assert node.stop() == 0  # drains the writer and the write-behind queue
+    files = sorted(disk.rglob("*.kv"))
+    assert len(files) == TOKENS // CHUNK
+    assert {payloads.read_header(f.read_bytes()).codec for f in files} == {"zstd-shuffle"}
+
+    spans = _spans(traces)
+    runs = [s for s in spans if s.name == "flowkv.server"]
+    assert len(runs) == TOKENS // CHUNK
+    stages = [s for s in spans if s.parent_span_id in {run.span_id for run in runs}]
+    assert sorted((s.name, s.attributes["flowkv.stage.role"]) for s in stages) == sorted(
+        [("compress", "codec"), ("put", "tier-io")] * len(runs))
+    line = server_file.read_text().splitlines().index("[[server.stages]]") + 1
+    assert {s.attributes["flowkv.stage.source"] for s in stages if s.name == "compress"} == {f"{server_file}:{line}"}
+    assert all(s.attributes["flowkv.bytes"] > 0 for s in stages if s.name == "put")
+
+    node.start()  # an empty arena: every chunk comes from the disk, through the client's decompress
+    try:
+        wait_for(lambda: e.lookup(ids) == TOKENS, "the client back on the restarted server, which finds the disk's")
+        dst = kv_for(605)
+        assert int(e.retrieve(ids, kv_caches=dst, slot_mapping=slots).sum()) == TOKENS
+        assert torch.equal(chunk_kv(dst, slots), chunk_kv(src, slots))
+        assert node.status()["requests"]["promotions"] == TOKENS // CHUNK
+    finally:
+        e.close()
+        telemetry.flush()
+
+
 class _CountRowCopies(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the kernels' row-index copies (index_select for a gather)."""
 

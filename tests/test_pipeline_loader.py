@@ -621,7 +621,8 @@ def test_every_builtin_pipeline_validates(name):
     # A blend pipeline has no separator that fits every tokenizer: the user gives it.
     overrides = {"blend.separator": [271]} if _blends(name) else None
     pipeline = load_pipeline(name, overrides=overrides)
-    assert pipeline.store and pipeline.retrieve and pipeline.tiers
+    # An engine's pipeline runs store and retrieve lists; a node server's (node-server-disk) its server list.
+    assert (pipeline.store and pipeline.retrieve or pipeline.server) and pipeline.tiers
     assert Path(pipeline.source).name == f"{name}.toml"
     if overrides:
         with pytest.raises(PipelineError, match=rf"{name}\.toml:\d+:1: \[blend\]: missing required key 'separator'"):
@@ -683,3 +684,64 @@ def test_dumps_pipeline_reads_back():
     assert compress["codec"] == "zstd" and compress["level"] == 1
     assert pipeline.store[5].settings()["tiers"] == ["memory"]
     assert [s.name for s in pipeline.lookup] == ["tokenize", "chunk-hash", "lookup"]
+
+
+# -- a node server's pipeline -------------------------------------------------------
+
+
+def test_a_server_pipeline_is_its_lower_tiers_and_its_server_list():
+    pipeline = loads_pipeline(textwrap.dedent("""
+        [pipeline]
+        name = "server"
+
+        [tiers.disk]
+        kind = "disk"
+        path = "/tmp/flowkv-unused"
+        capacity = "1GiB"
+
+        [[server.stages]]
+        use = "compress"
+        codec = "lz4"
+
+        [[server.stages]]
+        use = "put"
+        tiers = ["memory", "disk"]
+        """), file=FILE)
+    # No object tier declared (the server's arena is one), committed chunks carry the KV compress needs,
+    # and "memory" names the arena.
+    assert [s.name for s in pipeline.server] == ["compress", "put"]
+    assert (pipeline.store, pipeline.retrieve, pipeline.lookup) == ((), (), ())
+    assert list(pipeline.tiers) == ["disk"]
+
+
+def test_server_list_mistakes_are_each_at_their_line():
+    found = diagnostics("""
+        [tiers.memory]
+        kind = "memory"
+
+        [[store.stages]]
+        use = "tokenize"
+
+        [[server.stages]]
+        use = "gather"
+
+        [[server.stages]]
+        use = "put"
+        tiers = ["memroy"]
+        """)
+    by_line = {d.line: d for d in found}
+    assert "runs no store list, but this one has one (case.toml:4:1)" in by_line[7].message
+    assert by_line[8].message == "stage 'gather' cannot run in a server pipeline (it runs in: store)"
+    assert "tier 'memroy' is not declared; did you mean 'memory'?" in by_line[12].message
+    assert {d.kind for d in found} == {"graph", "unknown-tier"}
+
+
+def test_an_engine_refuses_a_server_pipeline():
+    import torch
+
+    from flowkv import CacheEngine
+    from flowkv.kernels import KVGeometry
+
+    geometry = KVGeometry("cpu", num_layers=2, num_kv_heads=2, head_size=16, block_size=16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"'node-server-disk' .* is a node server's .* node-disk"):
+        CacheEngine.from_pipeline("node-server-disk", geometry=geometry, model_name="m")

@@ -180,21 +180,40 @@ def test_the_trace_summary_knows_a_codec_by_the_role_its_spans_record(tmp_path):
     assert any(advice.startswith("Codec stage store/squeeze takes") for advice in summary.suggestions)
 
 
-# -- the node server's codec ---------------------------------------------------------------------
+# -- the node server's list ----------------------------------------------------------------------
 
 
-def test_the_node_servers_codec_is_its_pipelines_first_codec_stage_by_role(tmp_path, caplog):
-    from flowkv.server.daemon import _codec_of
+def test_a_node_server_runs_its_pipelines_server_list_or_an_engine_files_store_tail_by_role(tmp_path, caplog):
+    """``node-server-disk`` declares its [server] list; a server file written as an engine's runs its store
+    list after the transfer stage (found by role, wherever the codec sits), leaving out what cannot run there."""
+    from flowkv.server.writer import server_stages
 
-    assert _codec_of(load_pipeline("node-server-disk")) == ("none", {})
-    assert _codec_of(load_pipeline("local-cpu-lz4")) == ("lz4-shuffle", {})
-    # put (memory) comes first there: the codec stage is found by its role, wherever it sits.
-    assert _codec_of(load_pipeline("cpu-disk-zstd")) == ("zstd-shuffle", {"level": 1})
-    # A third-party codec is no encoding the server knows: its lower tiers get raw chunks, and it says so.
+    def shown(pipeline):
+        return [(spec.name, spec.settings()) for spec in server_stages(pipeline)]
+
+    assert shown(load_pipeline("node-server-disk")) == [("compress", {**NO_CODEC, "codec": "none"}),
+                                                        ("put", {"tiers": None})]
+    assert shown(load_pipeline("local-cpu-lz4")) == [("compress", {**NO_CODEC, "codec": "lz4-shuffle"}),
+                                                     ("put", {"tiers": None})]
+    # put (memory) comes first there: the server skips the arena its chunks are in, then encodes for the disk.
+    assert shown(load_pipeline("cpu-disk-zstd")) == [("put", {"tiers": ["memory"]}),
+                                                     ("compress", {**NO_CODEC, "codec": "zstd-shuffle", "level": 1}),
+                                                     ("put", {"tiers": ["disk"]})]
+    # A third-party codec that declares no server kind cannot run there: its lower tiers get raw chunks, and
+    # it says so.
     path = tmp_path / "server.toml"
     path.write_text(pipeline_text((f"{__name__}:halve_precision", {"bits": 3})))
     pipeline = load_pipeline(path)
     assert pipeline.store_codec() == ("halve-precision", {"bits": 3})
     with caplog.at_level("WARNING", logger="flowkv.server"):
-        assert _codec_of(pipeline) == ("none", {})
-    assert "codec 'halve-precision'" in caplog.text
+        assert shown(pipeline) == [("put", {"tiers": None})]
+    assert "stage 'halve-precision'" in caplog.text and "declare a [server] list" in caplog.text
+    # A file of tiers alone (no list at all): its chunks still reach the lower tiers, raw, through put.
+    path.write_text('[pipeline]\nname = "tiers-only"\n\n[tiers.memory]\nkind = "memory"\n\n'
+                    '[tiers.disk]\nkind = "disk"\npath = "/tmp/flowkv-unused"\ncapacity = "1GiB"\n')
+    [bare] = server_stages(load_pipeline(path))
+    assert (bare.name, bare.role, bare.settings) == ("put", "tier-io", {"tiers": None})
+
+
+NO_CODEC = {name: None for name in ("level", "acceleration", "group_size", "key_group_size", "scale_dtype", "scaling",
+                                    "window")}

@@ -112,12 +112,15 @@ def test_find_answers_the_first_tier_in_order_and_skips_what_it_is_told():
 def test_promotion_is_the_callers_choice(promote):
     disk = dict_tier("disk")
     storage = manager(disk=disk)
+    decoded = []  # the manager decodes nothing itself: its engine's decode stages do (here, a stand-in)
+    storage.decode_promotions_with(lambda entry, blob, room: decoded.append(entry.tier) or
+                                   payloads.decode_into(blob, room.tensor, expect_key=entry.key) is not None)
     kv = chunk(3)
     disk.data["k"] = payloads.encode(kv, "none", key="k")
     found = storage.read(Entry("k", "disk", tuple(kv.shape), kv.dtype), promote=promote)
     assert storage.contains("k") is promote
     if promote:
-        assert found.tier == "memory" and torch.equal(found.kv, kv)
+        assert found.tier == "memory" and torch.equal(found.kv, kv) and decoded == ["disk"]
         found.obj.ref_down()
     else:
         assert found.tier == "disk" and found.obj is None
@@ -159,23 +162,43 @@ def test_pins_keep_object_hits_until_released():
 # -- the user's tier in a pipeline, through the engine -----------------------------------
 
 
-def test_the_user_tier_serves_an_engine_from_a_pipeline_file():
-    g = KVGeometry("cpu", num_layers=2, num_kv_heads=2, head_size=16, block_size=16, dtype=torch.bfloat16)
+USER_TIER_GEOMETRY = KVGeometry("cpu", num_layers=2, num_kv_heads=2, head_size=16, block_size=16,
+                                dtype=torch.bfloat16)
+
+
+def stored_through_the_user_tier(get: object, decode: str, sections: dict | None = None):
+    """An engine (memory, then the user's tier) that stored 96 tokens into both and then emptied memory:
+    (engine, tokens, the source cache, slots)."""
+    g = USER_TIER_GEOMETRY
     text = dumps_pipeline(
         pipeline={"name": "dict", "chunk_size": 32},
         tiers={"memory": {"kind": "memory", "capacity": "4MiB", "pin_memory": False},
                "mine": {"kind": f"{__name__}:DictTier", "max_entries": 100, "timeout_s": 5.0}},
         store=["tokenize", "chunk-hash", "allocate", "gather", "put"],
-        retrieve=["tokenize", "chunk-hash", "lookup", ("get", {"promote": False}), "decompress", "scatter"],
+        retrieve=["tokenize", "chunk-hash", "lookup", get, decode, "scatter"],
+        sections=sections,
     )
     engine = CacheEngine(loads_pipeline(text), geometry=g, model_name="tiny")
+    tokens = torch.arange(96)
+    src = make_paged_kv(g, 16, seed=1)
+    slots = random_slot_mapping(96, g, 16, seed=3)
+    assert engine.store(KVTransfer(tokens=tokens, kv_caches=src, slot_mapping=slots)).stored_tokens == 96
+    assert engine.flush(10.0)
+    engine.memory.clear()
+    scrubbed = []  # the freed pages zeroed: a room nobody fills holds no stale copy of the KV
+    while (room := engine.storage.allocate(g.chunk_shape(32), g.dtype)) is not None:
+        room.tensor.zero_()
+        scrubbed.append(room)
+    for room in scrubbed:
+        room.ref_down()
+    return engine, tokens, src, slots
+
+
+def test_the_user_tier_serves_an_engine_from_a_pipeline_file():
+    g = USER_TIER_GEOMETRY
+    engine, tokens, src, slots = stored_through_the_user_tier(("get", {"promote": False}), "decompress")
     try:
-        tokens = torch.arange(96)
-        src, dst = make_paged_kv(g, 16, seed=1), make_paged_kv(g, 16, seed=2, fill=False)
-        slots = random_slot_mapping(96, g, 16, seed=3)
-        assert engine.store(KVTransfer(tokens=tokens, kv_caches=src, slot_mapping=slots)).stored_tokens == 96
-        assert engine.flush(10.0)
-        engine.memory.clear()
+        dst = make_paged_kv(g, 16, seed=2, fill=False)
         result = engine.retrieve(KVTransfer(tokens=tokens, kv_caches=dst, slot_mapping=slots))
         assert result.loaded_to == 96 and result.failed_range is None
         assert engine.stats()["tier.mine.read_bytes"] > 0
@@ -184,6 +207,59 @@ def test_the_user_tier_serves_an_engine_from_a_pipeline_file():
         assert torch.equal(gather(dst, g, slots, out[0]), gather(src, g, slots, out[1]))
     finally:
         engine.close()
+
+
+# -- promotion decodes through the pipeline's own decode stages -------------------------------
+
+
+@flowkv.stage("decode-own-tensor", kinds=("retrieve",), needs={"payload"}, gives={"kv"}, role=flowkv.Role.CODEC)
+def decode_own_tensor(chunks, *, ctx):
+    """A user's decode stage that knows nothing of rooms: each payload into a tensor of its own, counted."""
+    for chunk in chunks:
+        if chunk.kv is None:
+            chunk.kv = payloads.decode(chunk.payload, expect_key=chunk.key_str)
+            ctx.services.count("decoded_by_the_users_stage")
+        yield chunk
+
+
+def test_a_promoted_chunk_is_decoded_by_the_pipelines_own_decode_stage_in_a_span(tmp_path):
+    from flowkv import telemetry
+    from flowkv.otlp_json import load_spans
+
+    g = USER_TIER_GEOMETRY
+    traces = tmp_path / "traces"
+    engine, tokens, src, slots = stored_through_the_user_tier(
+        "get", f"{__name__}:decode_own_tensor", {"telemetry": {"exporter": "file", "folder": str(traces)}})
+    try:
+        dst = make_paged_kv(g, 16, seed=2, fill=False)
+        assert engine.retrieve(KVTransfer(tokens=tokens, kv_caches=dst, slot_mapping=slots)).loaded_to == 96
+        stats = engine.stats()
+        # Three chunks read from the user's tier, each decoded into memory by the user's stage, once:
+        assert stats["promotions"] == 3 and stats["decoded_by_the_users_stage"] == 3
+        held = [engine.memory.get(key) for key in engine.memory.keys()]
+        assert len(held) == 3 and not any("codec" in obj.meta for obj in held)  # they landed raw
+        engine.memory.release_objects(held)
+        again = make_paged_kv(g, 16, seed=4, fill=False)
+        assert engine.retrieve(KVTransfer(tokens=tokens, kv_caches=again, slot_mapping=slots)).loaded_to == 96
+        assert engine.stats()["decoded_by_the_users_stage"] == 3  # raw in memory: read again, decoded no more
+        out = [torch.empty(g.chunk_shape(96), dtype=g.dtype) for _ in range(3)]
+        assert torch.equal(gather(dst, g, slots, out[0]), gather(src, g, slots, out[1]))
+        assert torch.equal(gather(again, g, slots, out[2]), out[1])
+    finally:
+        engine.close()
+    telemetry.flush()
+    spans = [span for path in sorted(traces.glob("*.json*")) for span in load_spans(path)]
+    by_id = {span.span_id: span for span in spans}
+    promotions = [s for s in spans if s.name == "flowkv.promote"]
+    assert len(promotions) == 3 and {by_id[s.parent_span_id].name for s in promotions} == {"get"}
+    decodes = [s for s in spans if s.parent_span_id in {p.span_id for p in promotions}]
+    assert [(s.name, s.attributes["flowkv.stage.role"]) for s in decodes] == [("decode-own-tensor", "codec")] * 3
+    # The trace summary shows the promotions' decode as runs of their own.
+    from flowkv.tracetools import summarize
+
+    summary = summarize(spans)
+    assert summary.runs["promote"] == 3
+    assert [(s.kind, s.stage) for s in summary.stages if s.kind == "promote"] == [("promote", "decode-own-tensor")]
 
 
 # -- a store batch is its caller's own ---------------------------------------------------

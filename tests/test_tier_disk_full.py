@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from flowkv import CacheEngine
-from flowkv.integration.metrics import snapshot
+from flowkv.integration.vllm.metrics import snapshot
 from flowkv.kernels import KVGeometry
 from flowkv.tiers import DiskTier, DiskTierConfig, GuardedTier
 from flowkv._testing.paged import make_paged_kv, random_slot_mapping

@@ -39,7 +39,8 @@ def add_commands(sub: Any) -> None:
                         "user only)")
     parser.add_argument("--memory", help="size of the shared arena, e.g. 64GiB (run)")
     parser.add_argument("--pipeline", help="server pipeline file or built-in name: its lower tiers "
-                        "(disk, Redis), the codec written to them, [telemetry] (run)")
+                        "(disk, Redis), its [server] stage list run on each committed chunk (e.g. compress, "
+                        "put), [telemetry] (run)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free one)")
     parser.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics listen on (default loopback)")
     parser.add_argument("--lease-timeout", type=float, default=30.0,

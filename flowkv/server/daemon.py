@@ -21,8 +21,9 @@ process that maps it lets go. The loop thread owns the
 sessions, handles and pins (:mod:`flowkv.server.leases`); requests that
 need a lower tier (a lookup or read that reaches disk or Redis) run on a
 small thread pool, so one slow disk read holds up no other client.
-Committed chunks go to the lower tiers from a writer thread (encoded with
-the server pipeline's ``compress`` codec, then written behind). SIGTERM or
+Committed chunks go to the lower tiers from a writer thread that runs the
+server pipeline's ``[server]`` list on each (:mod:`flowkv.server.writer`:
+e.g. compress, then put, written behind). SIGTERM or
 SIGINT stops accepting, drains the writer and the write-behind queues,
 closes the tiers and removes the socket.
 
@@ -42,7 +43,6 @@ import collections
 import concurrent.futures
 import logging
 import os
-import queue
 import secrets
 import signal
 import socket
@@ -52,7 +52,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from flowkv import payload as payloads
 from flowkv.local_peers import (
     PeerCredentials,
     listener,
@@ -68,6 +67,7 @@ from flowkv.tiers import node_protocol as wire
 from flowkv.tiers.manager import Entry, StorageManager, TierEvent
 from flowkv.tiers.memory import MemoryTier
 from flowkv.server.leases import LeaseTable, Session
+from flowkv.server.writer import ServerWriter
 from flowkv.tenants import DEFAULT_TENANT, clean_tenant
 
 __all__ = ["NodeServer", "ServerOptions"]
@@ -162,15 +162,13 @@ class NodeServer:
             self._remove_segment()
             raise
         self.storage.subscribe(self._on_event)
-        self.codec, self.codec_params = _codec_of(options.pipeline)
         self.lower = [name for name in self.storage.order if not self.storage.holds_objects(name)]
         self.tracer = _tracer(options.pipeline.telemetry if options.pipeline else TelemetrySpec())
         self._traced = options.pipeline is not None and options.pipeline.telemetry.exporter != "none"
         self._pool = concurrent.futures.ThreadPoolExecutor(options.workers, thread_name_prefix="flowkv-node")
-        # Committed chunks on their way to the lower tiers: (key, obj with a reference, its tenant).
-        self._to_lower: queue.Queue[tuple[str, Any, str] | None] = queue.Queue(maxsize=1024)
-        self._writer = threading.Thread(target=self._write_lower, name="flowkv-node-lower", daemon=True)
-        self._writer.start()
+        # Committed chunks on their way to the lower tiers, through the pipeline's [server] list.
+        self._writer = ServerWriter(options.pipeline, storage=self.storage, arena=self.buffer,
+                                    counters=self.counters, tracer=self.tracer)
         self._events: collections.deque[tuple[int, str, str, str]] = collections.deque(maxlen=_EVENTS_KEPT)
         self._event_seq = 0
         self._event_lock = threading.Lock()
@@ -258,8 +256,7 @@ class NodeServer:
 
     def close(self) -> None:
         """Drain committed chunks to the lower tiers, flush write-behind, close tiers, remove the segment."""
-        self._to_lower.put(None)
-        self._writer.join()
+        self._writer.close()
         drained = self.storage.flush(timeout_s=60.0)
         if not drained:
             log.warning("flowkv server: write-behind not drained within 60 s")
@@ -506,12 +503,7 @@ class NodeServer:
                 if taken:
                     self._written_by[key] = session.uid
                 if taken and self.lower:
-                    obj.ref_up()  # the writer's, until the chunk is encoded for the lower tiers
-                    try:
-                        self._to_lower.put_nowait((key, obj, self.memory.tenant_of(key) or DEFAULT_TENANT))
-                    except queue.Full:
-                        obj.ref_down()
-                        self.counters.count("lower_dropped")
+                    self._writer.offer(key, obj, self.memory.tenant_of(key) or DEFAULT_TENANT)
             except (RequestError, ValueError, KeyError, TypeError, ArithmeticError) as exc:
                 self.counters.count("commit_refused")
                 log.warning("flowkv server: refusing a commit of %.80r from %s: %s", key, session.client, exc)
@@ -639,33 +631,6 @@ class NodeServer:
         "stats": _stats, "events": _events_since, "snapshot": _snapshot,
     }
 
-    # -- lower tiers -----------------------------------------------------------------
-
-    def _write_lower(self) -> None:
-        """Encode committed chunks (the pipeline's codec) and offer them to each lower tier's write-behind."""
-        while True:
-            item = self._to_lower.get()
-            if item is None:
-                return
-            key, obj, tenant = item
-            try:
-                if "codec" in obj.meta:
-                    blob = bytes(obj.view_bytes()[: obj.meta["encoded_len"]])
-                else:
-                    kv = wire.view(self.buffer, obj.tensor.data_ptr() - self.buffer.data_ptr(), obj.meta["shape"],
-                                   wire.dtype_from_name(obj.meta["dtype"]), obj.meta.get("order"))
-                    blob = payloads.encode(kv, self.codec, key=key, **self.codec_params)
-                for name in self.lower:
-                    if self.storage.put(name, key, payload=blob, tenant=tenant):
-                        self.counters.count(f"lower.{name}.offered")
-                    else:
-                        self.counters.count(f"lower.{name}.dropped")
-            except Exception:  # one chunk that cannot be encoded is a later miss, never a stop
-                log.exception("flowkv server: writing %s to the lower tiers failed", key)
-                self.counters.count("lower_errors")
-            finally:
-                obj.ref_down()
-
     # -- status --------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
@@ -691,7 +656,8 @@ class NodeServer:
             "requests": self.counters.snapshot(),
             "tiers": self.storage.stats(),
             "health": {name: str(state.value) for name, state in self.storage.health().items()},
-            "lower": {"codec": self.codec, "queued": self._to_lower.qsize(), "tiers": self.lower},
+            "lower": {"stages": [spec.name for spec in self._writer.stages],
+                      "queued": self._writer.queued(), "tiers": self.lower},
             "events": {"seq": self._event_seq},
         }
 
@@ -785,19 +751,6 @@ def _text(value: Any, what: str) -> str:
 
 def _leading(held: list[bool]) -> int:
     return next((i for i, h in enumerate(held) if not h), len(held))
-
-
-def _codec_of(pipeline: Pipeline | None) -> tuple[str, dict[str, Any]]:
-    """The codec (and its parameters) of the server pipeline's first codec stage; the server encodes with
-    flowkv's own codecs only, so a third-party codec stage's chunks go to the lower tiers raw (logged)."""
-    from flowkv.codecs import codec_names
-
-    codec, params = pipeline.store_codec() if pipeline is not None else ("none", {})
-    if codec not in codec_names():
-        log.warning("flowkv server: codec %r of %s is not one of flowkv's; lower tiers get raw chunks",
-                    codec, pipeline.source if pipeline is not None else "the pipeline")
-        return "none", {}
-    return codec, params
 
 
 def _tracer(spec: TelemetrySpec) -> Any:

@@ -414,7 +414,8 @@ class StorageManager:
         lookup named first); None when no tier has it any more.
 
         With ``promote``, a byte-tier hit is copied into the staging tier (a raw
-        payload decoded on the way) and served from there.
+        payload decoded on the way, by the decode given to
+        :meth:`decode_promotions_with`) and served from there.
         """
         self.prefetcher.wait([entry])
         for name, objects in self._objects.items():
@@ -462,7 +463,7 @@ class StorageManager:
             blob = self.promoter.keyed(name, key, self._call(name, "get", [key], entry.tenant, default=[None])[0])
             if blob is None:
                 continue
-            if promote and self.promoter.promote(key, blob, entry.shape, entry.dtype, entry.tenant):
+            if promote and self.promoter.promote(entry._replace(tier=name), blob):
                 found = _found_in(self.staging, self.memory, entry)
                 if found is not None:
                     return found
@@ -510,6 +511,13 @@ class StorageManager:
         each lands pinned for ``owner`` unless ``release(owner)`` came first
         (:meth:`flowkv.tiers.prefetch.Prefetcher.prefetch`)."""
         self.prefetcher.prefetch(entries, owner)
+
+    def decode_promotions_with(self, decode: Callable[[Entry, Any, TierObject], bool]) -> None:
+        """Have ``decode(entry, payload, room)`` decode each raw payload promoted into the staging
+        tier into ``room`` (an object of the entry's shape), answering whether it did: an engine's
+        run of its pipeline's decode stages (`flowkv.executor.Executor.decode_promotion`). Without
+        one, raw payloads are promoted as they are (kept encoded, like any other)."""
+        self.promoter.decode = decode
 
     def prefetch_pending(self, owner: Any) -> bool:
         """Whether chunks a lookup by ``owner`` found in byte tiers are still on their way to memory."""

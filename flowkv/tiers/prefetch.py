@@ -5,8 +5,12 @@ A lookup that finds chunks below memory starts reading them at once
 the lookup's owner, unless a release came first, and a retrieve that comes
 while they are on their way waits for them (``wait``). ``Promoter.promote``
 is the copy itself, also used by a read with ``promote`` on: a payload
-checked against its key, a raw one decoded into a memory object of the
-reader's shape, an encoded one kept encoded (its reader decodes it).
+checked against its key; an encoded one kept encoded (its reader decodes
+it); a raw one decoded into a memory object of the reader's shape, by the
+``decode`` its engine gives (`StorageManager.decode_promotions_with`: a run
+of the pipeline's own decode stages, with their spans). Nothing here
+decodes: without a ``decode`` (a node server, which hosts many geometries)
+a raw payload is kept as it is too.
 """
 
 from __future__ import annotations
@@ -15,15 +19,12 @@ import collections
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from flowkv import payload as payloads
-from flowkv.tenants import DEFAULT_TENANT
 from flowkv.tiers import portal
-from flowkv.tiers.base import Entry, ObjectTier, TierEvents, for_tenant
+from flowkv.tiers.base import Entry, ObjectTier, TierEvents, TierObject, for_tenant
 from flowkv.tiers.health import GuardedTier
 from flowkv.tiers.pins import Pins
 
@@ -43,6 +44,9 @@ class Promoter:
         self.memory = memory
         self._counters = counters
         self._events = events
+        #: decode(entry, payload, room) -> whether ``room`` (a staging-tier object of the entry's shape)
+        #: now holds the payload's KV; None: raw payloads are kept as they are, like encoded ones
+        self.decode: Callable[[Entry, Any, TierObject], bool] | None = None
 
     def keyed(self, tier: str, key: str, blob: Any) -> Any:
         """``blob`` when its header is sound and names ``key``; else None, counted once (a payload moved or
@@ -57,29 +61,27 @@ class Promoter:
             return None
         return blob
 
-    def promote(self, key: str, blob: Any, shape: tuple[int, ...] | None, dtype: torch.dtype | None,
-                tenant: str = DEFAULT_TENANT) -> bool:
-        """Copy a byte-tier payload into the staging tier; raw payloads are decoded on the way
-        (unless ``shape`` is None: then every payload stays encoded, and its reader decodes it)."""
+    def promote(self, entry: Entry, blob: Any) -> bool:
+        """Copy a payload ``entry.tier`` gave into the staging tier, as ``entry.tenant``'s: a raw one
+        decoded into the entry's shape (when there is a ``decode`` and a shape), any other kept as it is."""
         memory = self.memory
+        key = entry.key
         if memory.contains(key):
             return True
-        room = for_tenant(memory, tenant)  # the promoted entry is the reader's
+        room = for_tenant(memory, entry.tenant)  # the promoted entry is the reader's
         try:
             header = payloads.read_header(blob, expect_key=key)
         except payloads.PayloadError as exc:
             self._counters.count("corrupt_payloads")
             log.warning("flowkv: refusing the payload read for %s: %s", key, exc)
             return False
-        if header.codec == "none" and shape is not None:
-            obj = memory.allocate(shape, dtype, **room)
+        if header.codec == "none" and entry.shape is not None and self.decode is not None:
+            # As large decoded as encoded: it lands raw, so no later hit decodes it again.
+            obj = memory.allocate(entry.shape, entry.dtype, **room)
             if obj is None:
                 return False
-            try:
-                payloads.decode_into(blob, obj.tensor, expect_key=key)
-            except payloads.PayloadError:
+            if not self.decode(entry, blob, obj):  # a corrupt payload: the decode stage counted it
                 obj.ref_down()
-                self._counters.count("corrupt_payloads")
                 return False
         else:
             try:
@@ -175,8 +177,7 @@ class Prefetcher:
                 blobs = [None] * len(group)
             for entry, blob in zip(group, blobs):
                 blob = promoter.keyed(entry.tier, entry.key, blob)  # type: ignore[arg-type]
-                promoted = blob is not None and promoter.promote(entry.key, blob, entry.shape, entry.dtype,
-                                                                 entry.tenant)
+                promoted = blob is not None and promoter.promote(entry, blob)
                 with self._lock:  # a forget either took its owner out already, or unpins after this
                     owners = self._waiting.pop(entry.key, ())
                     if promoted and owners:

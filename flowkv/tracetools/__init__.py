@@ -10,7 +10,10 @@ the OTLP/JSON files that ``[telemetry] exporter = "file"`` writes, or OTLP
 JSON exported from Jaeger). The span names and attributes read here are the
 ones ``docs/internals.md`` fixes:
 
-* a run root ``flowkv.store`` / ``flowkv.retrieve`` / ``flowkv.lookup``;
+* a run root ``flowkv.store`` / ``flowkv.retrieve`` / ``flowkv.lookup``
+  (``flowkv.promote``: a promoted chunk's decode, nested in the ``get`` that
+  promoted it, whose own time includes it; ``flowkv.server``: a node server's
+  writer);
 * one child per stage, carrying ``flowkv.stage``, ``flowkv.kind``,
   ``flowkv.own_time_ns``, ``flowkv.bytes``, ``flowkv.items_out``,
   ``flowkv.tier``, ``flowkv.hit_tokens``, and ``flowkv.layer`` when layerwise;

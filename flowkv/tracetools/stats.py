@@ -8,7 +8,9 @@ import attrs
 
 from flowkv.otlp_json import SpanRecord
 
-RUN_ROOT_NAMES = frozenset({"flowkv.store", "flowkv.retrieve", "flowkv.lookup"})
+# An engine's runs; a promotion's decode (inside the get that promoted, or a prefetch's own); a node
+# server's writer run.
+RUN_ROOT_NAMES = frozenset({"flowkv.store", "flowkv.retrieve", "flowkv.lookup", "flowkv.promote", "flowkv.server"})
 WAIT_SPAN = "flowkv.wait"
 STEP_SPAN = "flowkv.step"
 # CacheBlend in the vLLM worker: every step of a blend is a span named flowkv.blend.<step>;
@@ -24,7 +26,7 @@ _PROBE_ATTRIBUTES = ("flowkv.faults", "flowkv.cpu_ns", "flowkv.preempted")
 class StageStats:
     """Totals of one stage (by run kind and stage name) over every run."""
 
-    kind: str  # store / retrieve / lookup ("" when unknown)
+    kind: str  # store / retrieve / lookup / promote / server ("" when unknown)
     stage: str
     count: int  # stage spans, i.e. runs (layer runs count one each)
     own_ns: int  # time in the stage's own code, upstream excluded
