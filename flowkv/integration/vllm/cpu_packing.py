@@ -12,12 +12,15 @@ the ISA rule, so that the kernels stay free of vLLM.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
-from flowkv.kernels import PackedBlockLayout
+from flowkv.kernels import KVGeometry, PackedBlockLayout
 
-__all__ = ["CPU_ISAS", "backend_isa", "cache_write", "packed_layout", "write_tokens"]
+__all__ = ["CPU_ISAS", "backend_isa", "cache_write", "engine_packing", "packed_layout", "write_tokens"]
+
+logger = logging.getLogger("flowkv.integration")
 
 #: the ISAs vLLM's CPU attention names (which of them this machine's build accepts varies)
 CPU_ISAS = ("amx", "vec", "vec16", "neon", "rvv", "vxe", "vsx")
@@ -45,6 +48,20 @@ def packed_layout(dtype: torch.dtype, *, block_size: int, head_size: int, isa: s
     return PackedBlockLayout.draw(cache_write, isa=isa, block_size=block_size, head_size=head_size, dtype=dtype)
 
 
+def engine_packing(geometry: KVGeometry) -> PackedBlockLayout | None:
+    """How vLLM packs tokens inside the blocks of a cache of ``geometry``, for the engine's lossy
+    codecs: None for layouts whose block rows are tokens, and (with a warning) when the op packs in
+    a way the table cannot read; lossy codecs then quantize the blocks' bytes as they lie."""
+    if geometry.layout != "cpu":
+        return None
+    try:
+        return packed_layout(geometry.dtype, block_size=geometry.block_size, head_size=geometry.head_size)
+    except RuntimeError as exc:  # PackingError, or the op refusing this geometry
+        logger.warning("flowkv: cannot read single tokens in vLLM's CPU blocks (%s); lossy codecs will quantize "
+                       "the packed blocks as they lie, not per key channel", exc)
+        return None
+
+
 def write_tokens(layout: PackedBlockLayout, layer: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
                  values: torch.Tensor) -> None:
     """Write single tokens' ``keys`` / ``values`` ``(n, heads, head_size)`` at ``slots`` through vLLM's op."""
@@ -52,3 +69,4 @@ def write_tokens(layout: PackedBlockLayout, layer: torch.Tensor, slots: torch.Te
     key_cache, value_cache = layer.view(num_blocks, num_heads, 2 * block_size, width // 2).chunk(2, dim=2)
     cache_write(keys.to(layer.dtype).contiguous(), values.to(layer.dtype).contiguous(), key_cache, value_cache,
                 slots.to(torch.int64), layout.isa)
+

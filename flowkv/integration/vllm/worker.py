@@ -135,6 +135,7 @@ class ConnectorWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Detect the paged cache's layout, build the engine, serve lookups."""
         from flowkv.engine import CacheEngine
+        from flowkv.integration.vllm.cpu_packing import engine_packing
         from flowkv.kernels import detect_layout
 
         spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
@@ -163,6 +164,7 @@ class ConnectorWorker:
             model_name=self._settings.model_name,
             world_size=self._instance.world_size,
             rank=rank,
+            packing=engine_packing(geometry),
         )
         self._arena = getattr(self._engine.memory, "arena", None)
         if self._blender is not None:
