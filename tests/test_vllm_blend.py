@@ -90,7 +90,9 @@ def start(pipeline: str | None = None):
     if pipeline is not None:
         transfer = KVTransferConfig(
             kv_connector="FlowKVConnector", kv_connector_module_path="flowkv.integration.vllm", kv_role="kv_both",
-            kv_connector_extra_config={"pipeline": pipeline, "blend.separator": SEPARATOR,
+            # Check layer 0: with the default (1), the last of the tiny model's two layers, every reused
+            # token would be recomputed at every layer at any ratio above 0.
+            kv_connector_extra_config={"pipeline": pipeline, "blend.separator": SEPARATOR, "blend.check_layers": [0],
                                        "lookup_timeout_ms": LOOKUP_TIMEOUT_MS})
     saved = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     try:
@@ -173,7 +175,7 @@ def counters(llm) -> dict[str, int]:
     numbers = worker_stats(llm.llm_engine.vllm_config)
     return {name: int(numbers.get(name, 0))
             for name in ("blend_reused_tokens", "blend_recomputed_tokens", "stores", "retrieve_short",
-                         "stored_tokens", "corrupt_payloads")}
+                         "stored_tokens", "corrupt_payloads", "blend_staging_tokens")}
 
 
 def assert_same_greedy_up_to_ties(got, want, what: str) -> None:
@@ -222,6 +224,9 @@ def test_reordered_documents_are_reused_and_ratio_1_reproduces_a_full_prefill(bl
     assert recomputed - recomputed_before == loaded - len(SYSTEM)
     assert_same_greedy_up_to_ties(warm, reference[tuple(REORDERED)], "ratio 1.0")
     assert first_token_gap(warm, reference[tuple(REORDERED)]) <= 1e-3
+    # The staging cache the engine loads and stores through is as large as the largest window so
+    # far (FIRST's save: its blocks), not max_model_len (4,096) for every layer.
+    assert -(-len(FIRST) // BLOCK_SIZE) * BLOCK_SIZE <= after["blend_staging_tokens"] < 4096
 
 
 def test_the_default_ratio_recomputes_its_share_and_0_recomputes_nothing(blend_llm, reference) -> None:
@@ -279,11 +284,14 @@ def test_every_blend_step_has_its_span_under_the_requests_span(blend_llm) -> Non
     assert [span.name for span in request_spans] == ["flowkv.request"]
     steps = sorted((span.name, span.attributes.get("flowkv.layer", -1)) for span in spans
                    if span.parent_span_id == select.parent_span_id and span.name.startswith("flowkv.blend."))
-    # Two layers: both recomputed for every reused token up to the check layer (1), which selects;
-    # attention runs for the layers after which tokens go on (the last layer's output is not needed).
-    assert steps == [("flowkv.blend.attend", 0), ("flowkv.blend.check", 1), ("flowkv.blend.recompute", 0),
+    # Two layers: every reused token recomputed at the check layer (0), which selects the tokens that
+    # go on through layer 1; each layer's fused KV written into vLLM's blocks once recomputed,
+    # attention (over those blocks) for the layers after which tokens go on (the last layer's output
+    # is not needed), and a last write for the layers no recompute reached (none here).
+    assert steps == [("flowkv.blend.attend", 0), ("flowkv.blend.check", 0), ("flowkv.blend.recompute", 0),
                      ("flowkv.blend.recompute", 1), ("flowkv.blend.rerotate", -1), ("flowkv.blend.select", -1),
-                     ("flowkv.blend.stage", -1), ("flowkv.blend.write", -1)]
+                     ("flowkv.blend.stage", -1), ("flowkv.blend.write", -1), ("flowkv.blend.write", 0),
+                     ("flowkv.blend.write", 1)]
     loaded = (len(ONE_DOC) - len(QUESTIONS[2])) // BLOCK_SIZE * BLOCK_SIZE
     assert select.attributes["flowkv.selected_tokens"] == -(-(loaded - len(SYSTEM)) // 2)
     mine = [span for span in spans if span.parent_span_id == select.parent_span_id]
