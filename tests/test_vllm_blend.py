@@ -260,9 +260,11 @@ def test_a_document_evicted_between_lookup_and_load_ends_the_blend_at_the_block_
     before = counters(blend_llm)
     evicted = run(blend_llm, REORDERED, ratio=1.0, tags=tags)
     after = counters(blend_llm)
-    # S and D3 came (the load is short at D1): only their whole blocks are blended, and vLLM
-    # computes from the block holding D1's start (num_cached_tokens keeps what vLLM accepted).
+    # S and D3 came (the load is short at D1): only their whole blocks are blended, vLLM computes
+    # from the block holding D1's start, and num_cached_tokens counts what stayed (vLLM's own count is
+    # what it accepted; the connector recounts it, see the test below).
     kept = (len(SYSTEM) + len(DOCS[2])) // BLOCK_SIZE * BLOCK_SIZE
+    assert evicted[1] == kept
     assert after["retrieve_short"] - before["retrieve_short"] == 1
     assert (after["blend_reused_tokens"] - before["blend_reused_tokens"],
             after["blend_recomputed_tokens"] - before["blend_recomputed_tokens"]) == (kept, kept - len(SYSTEM))
@@ -324,8 +326,9 @@ def test_a_corrupt_document_payload_is_never_loaded_and_the_blend_ends_at_the_bl
     after = counters(blend_llm)
     # decompress refused the payload (checksum), counted it and dropped it from the tier: the load is
     # short at D1, so only S and D3's whole blocks are blended and vLLM computes from the block holding
-    # D1's start (num_cached_tokens keeps what vLLM accepted at lookup).
+    # D1's start (num_cached_tokens counts what stayed).
     kept = (len(SYSTEM) + len(DOCS[2])) // BLOCK_SIZE * BLOCK_SIZE
+    assert corrupted[1] == kept
     assert (after["corrupt_payloads"] - before["corrupt_payloads"],
             after["retrieve_short"] - before["retrieve_short"]) == (1, 1)
     assert (after["blend_reused_tokens"] - before["blend_reused_tokens"],
@@ -352,3 +355,30 @@ def test_a_document_never_stored_ends_the_blend_and_is_stored_for_the_next_reque
     documents = len(WITH_NEW) - len(QUESTIONS[3])
     assert again[1] == documents // BLOCK_SIZE * BLOCK_SIZE > kept
     assert_same_greedy_up_to_ties(again, reference[tuple(WITH_NEW)], "ratio 1.0, every document found")
+
+
+def test_vllm_keeps_the_count_it_accepted_after_a_failed_load_and_the_connector_recounts_it() -> None:
+    """vLLM's facts behind ``num_cached_tokens`` after a short synchronous load: the scheduler sets a
+    request's prefill stats when it accepts the connector's count, and its handling of the blocks
+    that failed to load truncates the computed tokens but leaves those stats; the connector's
+    ``recount_short_load`` (called from ``update_connector_output``) brings them down to what stayed."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
+    from flowkv.integration.vllm.scheduler import recount_short_load
+
+    request = Request("r", list(range(1000)), SamplingParams(max_tokens=1), None)
+    request.prefill_stats.set(num_prompt_tokens=1000, num_local_cached_tokens=0, num_external_cached_tokens=896)
+    request.num_computed_tokens = 1000  # after the step: 896 loaded, 104 computed
+    blocks = [10, 11, 12, 13, 14, 15, 16, 17]
+    scheduler = SimpleNamespace(block_size=128, kv_cache_manager=SimpleNamespace(get_block_ids=lambda _: (blocks,)))
+    affected, _, _ = Scheduler._update_requests_with_invalid_blocks(scheduler, [request], {13}, {"r": 104})
+    assert affected == {"r"} and request.num_computed_tokens == 3 * 128  # recomputed from the failed block
+    assert request.prefill_stats.num_cached_tokens == 896  # vLLM's count: what it accepted
+    recount_short_load(request, blocks, {13}, 128)
+    assert (request.prefill_stats.num_cached_tokens, request.prefill_stats.num_computed_tokens) == (384, 616)
+    recount_short_load(request, blocks, {99}, 128)  # a block not of this request: nothing changes
+    assert request.prefill_stats.num_cached_tokens == 384
