@@ -33,7 +33,7 @@ from flowkv.calls import KVTransfer, LookupResult, RetrieveResult, StoreResult
 from flowkv.clock import Clock
 from flowkv.executor import Executor
 from flowkv.items import Request, Services
-from flowkv.kernels import KVGeometry
+from flowkv.kernels import KVGeometry, PackedBlockLayout
 from flowkv.keys import CacheKey, ChunkKeys, KeyPrefix
 from flowkv.layerwise import LayerwiseRetrieve, LayerwiseStore
 from flowkv.memory import MemoryObj
@@ -59,8 +59,11 @@ class CacheEngine:
         world_size: int = 1,
         rank: int = 0,
         clock: Clock | None = None,
+        packing: PackedBlockLayout | None = None,
     ) -> None:
-        """``clock`` paces pin deadlines and the pin timer (`flowkv.clock.ManualClock` in tests)."""
+        """``clock`` paces pin deadlines and the pin timer (`flowkv.clock.ManualClock` in tests);
+        ``packing`` is how the engine's cache packs tokens inside a block (vLLM's CPU layout,
+        `flowkv.kernels.PackedBlockLayout`), so that lossy codecs see true tokens."""
         if pipeline.server:
             raise ValueError(f"pipeline '{pipeline.name}' ({pipeline.source}) is a node server's (its [server] "
                              "list): `flowkv server --pipeline` runs it; an engine uses a pipeline with a tier of "
@@ -84,7 +87,8 @@ class CacheEngine:
         )
         self.services = Services(geometry=geometry, chunk_size=self.chunk_size,
                                  save_partial_chunks=self.save_partial_chunks, keys=self.keys,
-                                 storage=self.storage, counters=self.accounting, blend=pipeline.blend)
+                                 storage=self.storage, counters=self.accounting, blend=pipeline.blend,
+                                 packing=packing)
         self.tracer = telemetry.tracer_for(pipeline.telemetry)
         self.executor = Executor(pipeline, self.services, accounting=self.accounting, tracer=self.tracer)
         if self.executor.decoders:  # promoted raw payloads land decoded, through the pipeline's own stages
@@ -101,12 +105,13 @@ class CacheEngine:
         rank: int = 0,
         overrides: Mapping[str, Any] | None = None,
         clock: Clock | None = None,
+        packing: PackedBlockLayout | None = None,
     ) -> CacheEngine:
         """An engine for a pipeline given by built-in name, path or loaded ``Pipeline``."""
         if not isinstance(pipeline, Pipeline):
             pipeline = load_pipeline(pipeline, overrides=overrides)
         return cls(pipeline, geometry=geometry, model_name=model_name, world_size=world_size, rank=rank,
-                   clock=clock)
+                   clock=clock, packing=packing)
 
     # -- the API ----------------------------------------------------------
 

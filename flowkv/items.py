@@ -20,7 +20,7 @@ from flowkv.tenants import tenant_of
 
 if TYPE_CHECKING:
     from flowkv.accounting import Counters
-    from flowkv.kernels import KVGeometry
+    from flowkv.kernels import KVGeometry, PackedBlockLayout
     from flowkv.keys import CacheKey, ChunkKeys
     from flowkv.pipeline_model import BlendSpec
     from flowkv.tiers.manager import StorageManager
@@ -131,6 +131,9 @@ class Services:
     storage: StorageManager  # the ordered tiers: find, read, allocate, put, pin, prefetch
     counters: Counters  # counters.count(name, n): shown in stats() and the vLLM metrics
     blend: BlendSpec | None = None  # the pipeline's [blend] table (separator, ratio), None without one
+    # How the engine packs tokens inside a block (vLLM's CPU cache), drawn from its cache-write op
+    # at start: lossy codecs quantize the true tokens through it. None: a block row is one token.
+    packing: PackedBlockLayout | None = None
 
     def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
         """The raw KV shape of a chunk of ``num_tokens`` tokens."""

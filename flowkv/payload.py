@@ -16,7 +16,8 @@ small header followed by the codec's body::
     32      8*ndim    shape
     ..      ndim      dim order of the body (versions 2 and 3; see below)
     ..      16        key digest: BLAKE2b-128 of the chunk's key (version 3; zeros: bound to no key)
-    ..      2         option flags (version 3): bit 0 = a segment start follows; other bits must be 0
+    ..      2         option flags (version 3): bit 0 = a segment start follows; bit 1 = the body holds
+                      the chunk's true tokens, unpacked from an engine's packed blocks; other bits must be 0
     ..      8         segment start position, u64 (version 3, only with flag bit 0; CacheBlend)
     ..      P         codec parameters, canonical JSON (UTF-8, sorted keys)
     H-8     8         xxh3-64 of header bytes [0, H-8)
@@ -50,6 +51,16 @@ position of a CacheBlend segment is the first); a reader refuses a flag it
 does not know, so a payload is never read without a field its writer
 meant.
 
+**Unpacked tokens (option bit 1).** vLLM's CPU cache packs the tokens of a
+block together (a row of it is not one token), so a chunk gathered as whole
+blocks holds packed interiors. A lossy codec quantizes per key channel and
+per token, so `encode` given the engine's packing (`flowkv.kernels.PackedBlockLayout`,
+drawn from the engine's own cache-write op) hands the codec the chunk's true
+tokens instead and sets this bit; `decode` packs them back through the
+reader's table, and refuses such a payload when it has none. Lossless
+codecs, and chunks that are not whole blocks, keep the engine's bytes as
+they are (bit clear), so an older payload decodes as it always did.
+
 Every way a stored payload can fail to parse — a checksum, a length, the
 codec parameters' JSON (deep nesting included) or their types — raises
 `PayloadError`; tiers count it as corrupt and drop the entry.
@@ -74,13 +85,16 @@ import struct
 import sys
 import types
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 import xxhash
 
 from flowkv import codecs as _codecs
+
+if TYPE_CHECKING:
+    from flowkv.kernels import PackedBlockLayout
 
 __all__ = [
     "FORMAT_VERSION",
@@ -113,7 +127,8 @@ _DIGEST_BYTES = 16
 _UNBOUND = bytes(_DIGEST_BYTES)
 _OPTIONS = struct.Struct("<H")
 _SEGMENT_START = 1  # option flag: a u64 segment start position follows
-_KNOWN_OPTIONS = _SEGMENT_START
+_UNPACKED = 2  # option flag: the body is the chunk's true tokens, to be packed into the reader's blocks
+_KNOWN_OPTIONS = _SEGMENT_START | _UNPACKED
 
 _DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float16: 1,
@@ -174,6 +189,8 @@ class PayloadHeader:
     key_digest: bytes = b""
     #: Where the tokens of a CacheBlend segment started in the prompt it was stored from (None: not a segment).
     segment_start: int | None = None
+    #: The body holds the chunk's true tokens, unpacked from its writer's packed blocks (option bit 1).
+    unpacked: bool = False
 
     def __attrs_post_init__(self) -> None:
         if not self.dim_order:
@@ -230,12 +247,14 @@ def _buffer_order(tensor: torch.Tensor) -> tuple[int, ...]:
 
 
 def encode(tensor: torch.Tensor, codec: str = "none", *, key: str | None = None, segment_start: int | None = None,
-           **codec_params: Any) -> bytes:
+           packing: PackedBlockLayout | None = None, **codec_params: Any) -> bytes:
     """Encode `tensor` as a payload with the named codec and its parameters.
 
     ``key`` binds the payload to the chunk key it is stored under (tiers
     refuse it under any other); ``segment_start`` records a CacheBlend
-    segment's start position.
+    segment's start position. ``packing`` is how the engine packs tokens
+    inside its blocks: a lossy codec then encodes the chunk's true tokens
+    (see "Unpacked tokens" above), when the chunk is whole blocks of it.
 
     A lossless codec encodes the elements in the order the tensor's buffer
     holds them (the header names it), so a chunk in its engine's format is
@@ -256,13 +275,14 @@ def encode(tensor: torch.Tensor, codec: str = "none", *, key: str | None = None,
     impl = _codecs.get_codec(codec)
     params = impl.resolve_params(**codec_params)
     impl.check_tensor(tensor)
+    tensor, options = _codec_input(tensor, impl, packing)
+    extra = b""
     order = _buffer_order(tensor) if impl.lossless else _identity(tensor.dim())
     body = _codecs._as_bytes(impl.encode(tensor.permute(order) if tensor.dim() else tensor, params))
     params_json = json.dumps(impl.params_to_header(params), sort_keys=True, separators=(",", ":")).encode()
     if len(params_json) > 0xFFFF:
         raise ValueError(f"codec {codec!r} parameters take {len(params_json)} bytes in the header, at most 65535")
     shape = tuple(tensor.shape)
-    options, extra = 0, b""
     if segment_start is not None:
         if not 0 <= segment_start < 1 << 64:
             raise ValueError(f"segment_start must be a position from 0, got {segment_start!r}")
@@ -291,6 +311,15 @@ def encode(tensor: torch.Tensor, codec: str = "none", *, key: str | None = None,
     )
     # bytes + buffer concatenates in one copy of the body.
     return head + _CHECKSUM.pack(_checksum(head)) + body
+
+
+def _codec_input(tensor: torch.Tensor, impl: _codecs.Codec,
+                 packing: PackedBlockLayout | None) -> tuple[torch.Tensor, int]:
+    """What the codec encodes, and the option flags that say so: a lossy codec gets the true tokens
+    of a chunk of whole packed blocks (option bit 1), anything else the tensor as it is."""
+    if packing is not None and not impl.lossless and packing.whole_blocks(tensor):
+        return packing.unpack_chunk(tensor), _UNPACKED
+    return tensor, 0
 
 
 def read_header(blob: bytes | bytearray | memoryview, *, expect_key: str | None = None) -> PayloadHeader:
@@ -342,7 +371,7 @@ def read_header(blob: bytes | bytearray | memoryview, *, expect_key: str | None 
     order = tuple(view[order_at:order_at + order_len]) if order_len else _identity(ndim)
     if sorted(order) != list(range(ndim)):
         raise PayloadError(f"corrupt payload header: dim order {order} is not a permutation of {ndim} dims")
-    digest, segment_start = b"", None
+    digest, segment_start, options = b"", None, 0
     params_at = order_at + order_len
     if keyed_len:
         digest = bytes(view[params_at:params_at + _DIGEST_BYTES])
@@ -350,7 +379,7 @@ def read_header(blob: bytes | bytearray | memoryview, *, expect_key: str | None 
         params_at += keyed_len
         if options & ~_KNOWN_OPTIONS:
             raise PayloadError(f"payload has options {options:#x} this flowkv does not know (a newer writer)")
-        if header_length != fixed + 8 * bin(options).count("1"):
+        if header_length != fixed + (8 if options & _SEGMENT_START else 0):
             raise PayloadError(f"corrupt payload header: header length {header_length} does not match its options")
         if options & _SEGMENT_START:
             (segment_start,) = struct.unpack_from("<Q", view, params_at)
@@ -380,6 +409,7 @@ def read_header(blob: bytes | bytearray | memoryview, *, expect_key: str | None 
         dim_order=order,
         key_digest=digest,
         segment_start=segment_start,
+        unpacked=bool(options & _UNPACKED),
     )
 
 
@@ -423,14 +453,24 @@ def decode(
     expect_dtype: torch.dtype | None = None,
     expect_codec: str | None = None,
     expect_key: str | None = None,
+    packing: PackedBlockLayout | None = None,
 ) -> torch.Tensor:
     """Decode a payload into a new CPU tensor.
 
     With `expect_shape`, `expect_dtype`, `expect_codec` or `expect_key`
-    given, a payload holding anything else is rejected. Raises PayloadError
+    given, a payload holding anything else is rejected. A payload of
+    unpacked tokens comes back packed through ``packing`` (the reader's
+    engine's), in the ``cpu`` layout's chunk order. Raises PayloadError
     for any problem with the bytes; never returns data that failed a check.
     """
     header, body = _checked(blob, expect_codec, expect_shape, expect_dtype, expect_key)
+    _check_packing(header, packing)
+    tensor = _decoded(header, body)
+    return _packed(tensor, packing, None) if header.unpacked else tensor
+
+
+def _decoded(header: PayloadHeader, body: memoryview) -> torch.Tensor:
+    """The body decoded into a new tensor of the header's shape (its values in the body's order)."""
     impl = _codecs.get_codec(header.codec)
     try:
         params = impl.params_from_header(header.codec_params)
@@ -442,8 +482,22 @@ def decode(
             f"codec {header.codec!r} decoded {tuple(tensor.shape)} {tensor.dtype}, "
             f"the header says {header.body_shape} {header.dtype}"
         )
-    # The values in the body's order, seen in the header's shape (no copy).
+    # Seen in the header's shape (no copy).
     return tensor.permute(_inverse(header.dim_order)) if tensor.dim() else tensor
+
+
+def _check_packing(header: PayloadHeader, packing: PackedBlockLayout | None) -> None:
+    if header.unpacked and packing is None:
+        raise PayloadError("payload holds the true tokens of an engine that packs its blocks, and this reader "
+                           "knows no packing to put them back in")
+
+
+def _packed(tokens: torch.Tensor, packing: PackedBlockLayout, out: torch.Tensor | None) -> torch.Tensor:
+    """Unpacked ``tokens`` packed through ``packing`` (into ``out`` when it is whole blocks of it)."""
+    try:
+        return packing.pack_chunk(tokens, out if out is not None and packing.whole_blocks(out) else None)
+    except (ValueError, RuntimeError) as exc:
+        raise PayloadError(f"payload of unpacked tokens does not fit this reader's packing: {exc}") from exc
 
 
 def decode_into(
@@ -452,6 +506,7 @@ def decode_into(
     *,
     expect_codec: str | None = None,
     expect_key: str | None = None,
+    packing: PackedBlockLayout | None = None,
 ) -> torch.Tensor:
     """Decode a payload into the preallocated `out` and return it.
 
@@ -460,11 +515,18 @@ def decode_into(
     the shape's own order; a chunk in its engine's format, for a chunk
     payload of that engine) is written in place by the codec (no intermediate
     tensor for ``none`` and ``zstd``); a lossy codec dequantizes on `out`'s
-    device; other cases decode on the CPU and copy. On any error `out` may
-    hold partial data.
+    device; other cases decode on the CPU and copy. A payload of unpacked
+    tokens is packed through ``packing`` (see `decode`). On any error `out`
+    may hold partial data.
     """
     header, body = _checked(blob, expect_codec, tuple(out.shape), out.dtype, expect_key)
+    _check_packing(header, packing)
     impl = _codecs.get_codec(header.codec)
+    if header.unpacked:
+        packed = _packed(_decoded(header, body), packing, out)
+        if packed is not out:
+            out.copy_(packed)
+        return out
     try:
         params = impl.params_from_header(header.codec_params)
         target = out.permute(header.dim_order) if out.dim() else out

@@ -43,7 +43,7 @@ the model you serve.
 
 The measurement runs every codec in one vLLM: the requests of each codec
 carry a cache-key tag that selects it (stage ``quality-compress``, the same
-`flowkv.payload.encode` the ``compress`` stage calls), the memory tier holds
+`flowkv.stages.codec.encode_chunk` the ``compress`` stage calls), the memory tier holds
 the encoded payloads, and the pipeline's real ``decompress`` stage decodes
 them on the way back.
 """
@@ -62,7 +62,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from flowkv import payload as payloads
 from flowkv.codecs import get_codec
 from flowkv.items import Chunk, RunContext
 from flowkv.pipeline import dumps_pipeline
@@ -113,9 +112,10 @@ def quality_compress(chunks: Iterator[Chunk], *, ctx: RunContext, codecs: list[s
 
     Each entry of ``codecs`` is a JSON object ``{"codec": NAME, "params": {...}}``.
     Requests without the tag are stored raw. Used by ``flowkv quality`` to
-    measure several codecs in one vLLM; the encoding is `flowkv.payload.encode`,
-    as in the ``compress`` stage, and a ``window`` parameter keeps the last
-    tokens of each stored prefix exact as it does there.
+    measure several codecs in one vLLM; the encoding is the ``compress``
+    stage's (`flowkv.stages.codec.encode_chunk`: true tokens on a packed
+    cache), and a ``window`` parameter keeps the last tokens of each stored
+    prefix exact as it does there.
 
     TOML::
 
@@ -129,7 +129,7 @@ def quality_compress(chunks: Iterator[Chunk], *, ctx: RunContext, codecs: list[s
         get_codec(entry["codec"]).resolve_params(**entry.get("params", {}))  # fail on the first run, not per chunk
         plans.append((entry["codec"], entry.get("params", {})))
     from flowkv.codecs import prefix_window
-    from flowkv.stages.codec import stored_end
+    from flowkv.stages.codec import encode_chunk, stored_end
 
     for chunk in chunks:
         choice = chunk.request.tags.get(_CODEC_TAG)
@@ -138,7 +138,7 @@ def quality_compress(chunks: Iterator[Chunk], *, ctx: RunContext, codecs: list[s
             if params.get("window"):
                 window = prefix_window(params["window"], chunk.start, chunk.end, stored_end(ctx.services, chunk.request))
                 params = {**params, "window": window}
-            chunk.payload = payloads.encode(chunk.kv, codec, key=chunk.key_str, **params)
+            chunk.payload = encode_chunk(chunk, ctx.services, codec, params)
             ctx.record(bytes=len(chunk.payload))
         yield chunk
 

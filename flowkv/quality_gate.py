@@ -116,7 +116,8 @@ def codec_code_digest(codec: str) -> str:
 
     A record's agreement holds for the code that was measured: a change to how a codec quantizes
     moves the digest, and the gate then asks for a new measurement. Edits elsewhere (another codec,
-    a comment in an unrelated function) leave it.
+    a comment in an unrelated function) leave it. A lossy codec's digest covers what it is handed
+    too (`_lossy_input_code`).
     """
     impl = type(get_codec(codec))
     parts: list[str] = []
@@ -138,7 +139,22 @@ def codec_code_digest(codec: str) -> str:
             used = getattr(module, word, None)
             if (inspect.isfunction(used) or inspect.isclass(used)) and getattr(used, "__module__", None) == obj.__module__:
                 pending.append(used)
+    if not impl.lossless:
+        parts.extend(_lossy_input_code())
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _lossy_input_code() -> list[str]:
+    """The source of what decides which values a lossy codec quantizes: on vLLM's packed CPU cache,
+    a chunk's true tokens, unpacked and packed back through the engine's table. A change there
+    changes what a record measured as much as a change in the codec does."""
+    from flowkv import payload
+    from flowkv.kernels import packed_cpu
+
+    layout = packed_cpu.PackedBlockLayout
+    return [inspect.getsource(obj) for obj in (payload._codec_input, payload._packed, layout.whole_blocks,
+                                               layout.unpack_chunk, layout.pack_chunk, layout.unpack, layout.pack,
+                                               packed_cpu._chunk_regions)]
 
 
 # -- the record and the gate ----------------------------------------------------

@@ -200,6 +200,13 @@ class PackedBlockLayout:
                                  packed.storage_offset())
         return view.reshape(*packed.shape[:-1], self.block_size, self.head_size)
 
+    def whole_blocks(self, chunk: torch.Tensor) -> bool:
+        """Whether ``chunk`` (logical ``(layers, kv, tokens, heads, head_size)``) is whole packed
+        blocks of this layout in the ``cpu`` layout's buffer order: what `unpack_chunk` takes."""
+        if chunk.dim() != 5 or chunk.shape[1] != 2 or chunk.shape[4] != self.head_size:
+            return False
+        return chunk.shape[2] % self.block_size == 0 and chunk.permute(0, 3, 2, 1, 4).is_contiguous()
+
     def unpack_chunk(self, chunk: torch.Tensor) -> torch.Tensor:
         """A chunk gathered as whole packed blocks (its logical ``(layers, 2, tokens, heads,
         head_size)`` view over the copied bytes) as true per-token keys and values, same shape:
@@ -210,9 +217,13 @@ class PackedBlockLayout:
                                                                     self.head_size) for kind in (0, 1)]
         return torch.stack(kinds, dim=1).permute(0, 1, 3, 2, 4).contiguous()
 
-    def pack_chunk(self, tokens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def pack_chunk(self, tokens: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The inverse of `unpack_chunk`: true ``(layers, 2, tokens, heads, head_size)`` into
-        ``out``, a chunk buffer of whole packed blocks (as gather fills and scatter reads)."""
+        ``out``, a chunk buffer of whole packed blocks (as gather fills and scatter reads; a new
+        one in the ``cpu`` layout's order when None)."""
+        if out is None:
+            layers, kv, count, heads, dim = tokens.shape
+            out = torch.empty(layers, heads, count, kv, dim, dtype=tokens.dtype).permute(0, 3, 2, 1, 4)
         regions = _chunk_regions(out, self.block_size, self.head_size)
         layers, heads, blocks = regions.shape[:3]
         for kind in (0, 1):

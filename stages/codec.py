@@ -52,7 +52,9 @@ def compress(chunks: Iterator[Chunk], *, ctx: RunContext, config: CompressConfig
     (``level``), and the lossy ``fp8`` (``group_size``, ``scaling``),
     ``int8``, ``int4`` (``group_size``, ``key_group_size``, ``scale_dtype``);
     with a lossy codec, ``window = N`` keeps the last N tokens of each stored
-    prefix exact (`flowkv.codecs.prefix_window`). Tiers that a later ``put`` writes get the encoded
+    prefix exact (`flowkv.codecs.prefix_window`). On an engine that packs
+    tokens inside its blocks (vLLM's CPU cache) a lossy codec quantizes the
+    chunk's true tokens (`encode_chunk`). Tiers that a later ``put`` writes get the encoded
     payload; ``flowkv bench codecs`` measures them on real KV. A chunk that
     comes encoded already (a node server's, committed by a client that
     compressed it) passes as it is.
@@ -78,10 +80,21 @@ def compress(chunks: Iterator[Chunk], *, ctx: RunContext, config: CompressConfig
             if config.window:
                 params["window"] = prefix_window(config.window, chunk.start, chunk.end,
                                                  stored_end(ctx.services, chunk.request))
-            chunk.payload = payloads.encode(chunk.kv, config.codec, key=chunk.key_str, segment_start=start,
-                                            **params)
+            chunk.payload = encode_chunk(chunk, ctx.services, config.codec, params, segment_start=start)
             ctx.record(bytes=len(chunk.payload))
         yield chunk
+
+
+def encode_chunk(chunk: Chunk, services: Any, codec: str, params: dict[str, Any], *,
+                 segment_start: int | None = None) -> bytes:
+    """``chunk``'s KV as a payload of ``codec``. A lossy codec gets the chunk's true tokens when the
+    engine packs its blocks (``services.packing``) and the chunk is whole blocks of it: its key
+    channels and value tokens, not the packed bytes a block's rows hold."""
+    packing = services.packing if services is not None else None
+    if packing is not None and chunk.start % packing.block_size:
+        packing = None
+    return payloads.encode(chunk.kv, codec, key=chunk.key_str, segment_start=segment_start, packing=packing,
+                           **params)
 
 
 def stored_end(services: Any, request: Any) -> int:
@@ -98,8 +111,10 @@ def decompress(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
     A chunk that comes with a room for its KV (``chunk.obj`` holding no
     payload: a byte-tier hit being promoted into memory, in an engine's
     ``flowkv.promote`` run) is decoded into it; any other into a new tensor.
-    A payload that fails any check (corrupt, truncated, another codec or
-    shape) is a miss: it is dropped from its tier, counted, and the run ends
+    A payload of true tokens is packed back into the engine's blocks
+    (``services.packing``). A payload that fails any check (corrupt,
+    truncated, another codec or shape, true tokens and no packing) is a
+    miss: it is dropped from its tier, counted, and the run ends
     there so the mask keeps only the good prefix.
 
     TOML::
@@ -116,13 +131,15 @@ def decompress(chunks: Iterator[Chunk], *, ctx: RunContext) -> Iterator[Chunk]:
         room = chunk.obj if chunk.obj is not None and "codec" not in chunk.obj.meta else None
         try:
             if room is not None:
-                chunk.kv = payloads.decode_into(chunk.payload, room.tensor, expect_key=chunk.key_str)
+                chunk.kv = payloads.decode_into(chunk.payload, room.tensor, expect_key=chunk.key_str,
+                                                packing=services.packing)
             else:
                 chunk.kv = payloads.decode(
                     chunk.payload,
                     expect_shape=services.chunk_shape(chunk.num_tokens),
                     expect_dtype=dtype,
                     expect_key=chunk.key_str,
+                    packing=services.packing,
                 )
         except payloads.PayloadError as exc:
             services.storage.discard(chunk.key_str, chunk.tier, exc)

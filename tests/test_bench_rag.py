@@ -89,9 +89,10 @@ def test_a_tiny_run_reuses_documents_in_any_order_and_ratio_1_matches_the_full_p
     # The recomputed share grows with the ratio: none at 0; at 1 every reused token but the exact system prompt.
     shares = [b["recomputed_share"] for b in blends]
     assert shares[0] == 0.0 < shares[1] < shares[2] < 1.0
-    # Ratio 1 is a full prefill of the reused tokens; plain concatenation (0) is further from it.
+    # Ratio 1 is a full prefill of the reused tokens; plain concatenation (0) is further from it. (The
+    # tiny model's check layer, 1, is its last: at 0.3 every reused token is recomputed there too.)
     assert blends[2]["mean_abs_dlogprob"] <= 1e-3 < blends[0]["mean_abs_dlogprob"]
-    assert blends[2]["mean_abs_dlogprob"] <= blends[1]["mean_abs_dlogprob"] <= blends[0]["mean_abs_dlogprob"]
+    assert blends[1]["mean_abs_dlogprob"] <= blends[0]["mean_abs_dlogprob"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

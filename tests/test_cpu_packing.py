@@ -172,3 +172,59 @@ def test_a_gathered_chunk_of_packed_blocks_unpacks_into_true_tokens_and_back(isa
     assert torch.equal(true, torch.stack(written))  # (layers, kv, tokens, heads, head_size)
     again = layout.pack_chunk(true, geometry.empty_chunk(len(slots)))
     assert torch.equal(again, chunk)
+
+
+def test_an_engine_with_vllms_packing_stores_int8_per_true_key_channel_and_loads_it_back(tmp_path) -> None:
+    """cpu-disk-int8 on a cache vLLM's op wrote: the disk payloads hold the tokens' true keys and
+    values (option bit 1), quantized per key channel, and a load from disk packs them back into
+    vLLM's blocks within int8's bound on the true tokens. Fails when the packing the table reads
+    is not the one the op wrote (the bound is per true channel; loud channels break it otherwise)."""
+    import time
+
+    from flowkv import CacheEngine, payload
+    from flowkv.codecs import get_codec
+    from flowkv.items import Request
+    from flowkv.kernels import KVGeometry
+    from flowkv.tiers.disk import key_digest
+
+    block_size, head_size, heads, blocks = 32, 64, 2, 8
+    layout = packed_layout(torch.bfloat16, block_size=block_size, head_size=head_size)
+    geometry = KVGeometry("cpu", num_layers=2, num_kv_heads=heads, head_size=head_size, block_size=block_size,
+                          dtype=torch.bfloat16)
+    engine = CacheEngine.from_pipeline("cpu-disk-int8", geometry=geometry, model_name="tiny", packing=layout,
+                                       overrides={"chunk_size": 64, "tiers.memory.capacity": "8MiB",
+                                                  "tiers.disk.path": str(tmp_path / "disk"),
+                                                  "tiers.disk.timeout_s": 10.0})
+    try:
+        slots = torch.cat([torch.arange(b * block_size, (b + 1) * block_size) for b in (5, 2, 7, 0)])
+        g = torch.Generator().manual_seed(6)
+        true = torch.randn(2, 2, len(slots), heads, head_size, generator=g)
+        true[:, 0, :, :, ::8] *= 40  # loud key channels, as a trained model's keys have
+        true = true.to(torch.bfloat16)
+        src = [torch.zeros(blocks, heads, block_size, 2 * head_size, dtype=torch.bfloat16) for _ in range(2)]
+        for layer, kv in zip(src, true):
+            write_tokens(layout, layer, slots, kv[0], kv[1])
+        tokens = torch.randint(0, 32000, (len(slots),), generator=g)
+        assert engine.store(tokens, kv_caches=src, slot_mapping=slots) == len(slots)
+        assert engine.flush(30.0)
+        keys = [k.to_str() for k in engine.chunk_keys(Request(tokens=tokens))]
+        blobs = [(tmp_path / "disk" / key_digest(k)[:2] / f"{key_digest(k)}.kv").read_bytes() for k in keys]
+        assert [(payload.read_header(b).codec, payload.read_header(b).unpacked) for b in blobs] == [("int8", True)] * 2
+        for key in keys:
+            assert engine.memory.remove(key)
+        dst = [torch.zeros_like(layer) for layer in src]
+        deadline = time.monotonic() + 30
+        while not bool(engine.retrieve(tokens, kv_caches=dst, slot_mapping=slots).all()):
+            assert time.monotonic() < deadline, "the disk copy never came back"
+        codec = get_codec("int8")
+        params = codec.resolve_params(scale_dtype="fp16")
+        for index, (layer, kv) in enumerate(zip(dst, true)):
+            loaded = torch.stack(layout.read_tokens(layer, slots))  # (2, tokens, heads, head_size)
+            assert not torch.equal(loaded, kv)  # int8: lossy
+            for start in (0, 64):  # per chunk, as it was quantized
+                want = true[index:index + 1, :, start:start + 64]
+                bound = codec.max_error(want, params)[0]
+                error = (loaded[:, start:start + 64].double() - want[0].double()).abs()
+                assert bool((error <= bound).all()), f"layer {index}, chunk at {start}: beyond int8's per-channel bound"
+    finally:
+        engine.close()

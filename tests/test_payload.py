@@ -380,12 +380,78 @@ def test_a_segment_start_rides_in_the_options_and_an_unknown_option_is_refused()
     # An option this flowkv does not know (a newer writer's): refused, never read without its field.
     head = bytearray(blob[:header.header_length - 8])
     options_at = 32 + 8 * kv.dim() + kv.dim() + 16
-    struct.pack_into("<H", head, options_at, 0b11)
+    struct.pack_into("<H", head, options_at, 0b101)
     forged = bytes(head) + struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(head))) + blob[header.header_length:]
-    with pytest.raises(PayloadError, match="options 0x3 this flowkv does not know"):
+    with pytest.raises(PayloadError, match="options 0x5 this flowkv does not know"):
         read_header(forged)
     with pytest.raises(ValueError, match="segment_start"):
         encode(kv, "none", segment_start=-1)
+
+
+def dimension_major(key, value, key_cache, value_cache, slot_mapping, isa):
+    """A cache-write op that packs as vLLM's ``vec`` kernels do: a block's keys channel by channel
+    (all its tokens' channel 0, then channel 1, ...), its values token by token."""
+    block_size, head_size = key_cache.shape[2], key_cache.shape[3]
+    for row, slot in enumerate(slot_mapping.tolist()):
+        block, offset = divmod(slot, block_size)
+        key_cache[block].view(-1, head_size, block_size)[:, :, offset] = key[row]
+        value_cache[block][:, offset] = value[row]
+
+
+def packed_chunk(layout, num_tokens=16, layers=2, heads=2, seed=0):
+    """True tokens with a few loud key channels (as trained keys have), and the chunk of whole packed
+    blocks that gathering them out of an engine of ``layout`` gives."""
+    gen = torch.Generator().manual_seed(seed)
+    true = torch.randn(layers, 2, num_tokens, heads, layout.head_size, generator=gen)
+    true[:, 0, :, :, ::4] *= 30  # key channels 0, 4, 8, ...
+    true = true.to(layout.dtype)
+    return true, layout.pack_chunk(true)
+
+
+def test_a_lossy_codec_quantizes_the_true_tokens_of_packed_blocks_and_decode_packs_them_back():
+    from flowkv.kernels import PackedBlockLayout
+
+    layout = PackedBlockLayout.draw(dimension_major, isa="test", block_size=8, head_size=16, dtype=torch.bfloat16)
+    true, chunk = packed_chunk(layout)
+    assert layout.whole_blocks(chunk) and not torch.equal(layout.unpack_chunk(chunk), chunk)  # rows are not tokens
+    codec = get_codec("int8")
+    params = codec.resolve_params()
+    bound = codec.max_error(true, params)  # per true key channel and value token
+
+    blob = encode(chunk, "int8", key="k", packing=layout)
+    assert read_header(blob).unpacked
+    decoded = decode(blob, expect_key="k", expect_shape=chunk.shape, packing=layout)
+    assert layout.whole_blocks(decoded)  # in the engine's chunk order, ready to scatter
+    assert bool(((layout.unpack_chunk(decoded).double() - true.double()).abs() <= bound).all())
+    into = torch.empty(2, 2, 16, 2, 16, dtype=torch.bfloat16).permute(0, 3, 2, 1, 4)
+    assert decode_into(blob, into, packing=layout) is into and torch.equal(into, decoded)
+    logical = torch.empty(chunk.shape, dtype=torch.bfloat16)  # not the engine's order: packed, then copied
+    assert torch.equal(decode_into(blob, logical, packing=layout), decoded)
+    # A reader without the table cannot put the tokens back: a miss, never packed bytes misread.
+    for read in (lambda: decode(blob), lambda: decode_into(blob, into.clone())):
+        with pytest.raises(PayloadError, match="knows no packing"):
+            read()
+    other = PackedBlockLayout.draw(dimension_major, isa="test", block_size=16, head_size=16, dtype=torch.bfloat16)
+    with pytest.raises(PayloadError, match="does not fit this reader's packing"):
+        decode(encode(*packed_chunk(layout, num_tokens=8)[1:], "int8", packing=layout), packing=other)
+
+    # Quantizing the packed bytes as they lie (no table) breaks the per-channel bound: a loud key
+    # channel shares its statistics with quiet ones.
+    packed_way = layout.unpack_chunk(into.copy_(decode(encode(chunk, "int8"))))
+    assert not bool(((packed_way.double() - true.double()).abs() <= bound).all())
+
+
+def test_lossless_codecs_and_chunks_that_are_not_whole_blocks_keep_the_bytes_as_they_lie():
+    from flowkv.kernels import PackedBlockLayout
+
+    layout = PackedBlockLayout.draw(dimension_major, isa="test", block_size=8, head_size=16, dtype=torch.bfloat16)
+    _, chunk = packed_chunk(layout)
+    blob = encode(chunk, "zstd-shuffle", packing=layout)
+    assert not read_header(blob).unpacked and torch.equal(decode(blob, packing=layout), chunk)
+    part = chunk[:, :, :12]  # a block and a half: its rows hold tokens past it
+    blob = encode(part, "int8", packing=layout)
+    assert not read_header(blob).unpacked
+    assert decode(blob, packing=layout).shape == part.shape
 
 
 @pytest.mark.parametrize("params", [

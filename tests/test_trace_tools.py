@@ -489,7 +489,8 @@ def test_the_summary_gives_the_blends_recompute_share_and_its_cost():
         record("flowkv.blend.rerotate", 0, 2, 2, parent=1),
         record("flowkv.blend.recompute", 2, 10, 3, parent=1, **{"flowkv.layer": 0}),
         record("flowkv.blend.recompute", 12, 14, 4, parent=1, **{"flowkv.layer": 1}),
-        record("flowkv.blend.attend", 10, 12, 5, parent=1, **{"flowkv.layer": 0}),
+        record("flowkv.blend.write", 10, 11, 9, parent=1, **{"flowkv.layer": 0}),  # a layer, written once recomputed
+        record("flowkv.blend.attend", 11, 12, 5, parent=1, **{"flowkv.layer": 0}),
         record("flowkv.blend.write", 14, 15, 6, parent=1, **{"flowkv.blend.reused_tokens": 400,
                                                           "flowkv.blend.recomputed_tokens": 60}),
         # ... another of 100 with nothing recomputed (ratio 0), and a save's copy out of vLLM.
@@ -500,8 +501,8 @@ def test_the_summary_gives_the_blends_recompute_share_and_its_cost():
     blend = summarize(spans).blend
     assert (blend.blends, blend.reused_tokens, blend.recomputed_tokens) == (2, 500, 60)
     assert blend.recompute_share == 0.12
-    assert blend.step_ns == {"attend": 2 * MS, "recompute": 10 * MS, "rerotate": 2 * MS, "stage": 3 * MS,
-                             "write": 2 * MS}
+    assert blend.step_ns == {"attend": 1 * MS, "recompute": 10 * MS, "rerotate": 2 * MS, "stage": 3 * MS,
+                             "write": 3 * MS}
     assert blend.load_ns == 16 * MS  # the save's copy is not the loads' cost
     text = format_summary(summarize(spans))
     assert "blend: 2 loads, 500 tokens reused, 60 recomputed (12.0%)" in text

@@ -90,7 +90,9 @@ def start(pipeline: str | None = None):
     if pipeline is not None:
         transfer = KVTransferConfig(
             kv_connector="FlowKVConnector", kv_connector_module_path="flowkv.integration.vllm", kv_role="kv_both",
-            kv_connector_extra_config={"pipeline": pipeline, "blend.separator": SEPARATOR,
+            # Check layer 0: with the default (1), the last of the tiny model's two layers, every reused
+            # token would be recomputed at every layer at any ratio above 0.
+            kv_connector_extra_config={"pipeline": pipeline, "blend.separator": SEPARATOR, "blend.check_layers": [0],
                                        "lookup_timeout_ms": LOOKUP_TIMEOUT_MS})
     saved = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     try:
@@ -173,7 +175,7 @@ def counters(llm) -> dict[str, int]:
     numbers = worker_stats(llm.llm_engine.vllm_config)
     return {name: int(numbers.get(name, 0))
             for name in ("blend_reused_tokens", "blend_recomputed_tokens", "stores", "retrieve_short",
-                         "stored_tokens", "corrupt_payloads")}
+                         "stored_tokens", "corrupt_payloads", "blend_staging_tokens")}
 
 
 def assert_same_greedy_up_to_ties(got, want, what: str) -> None:
@@ -222,6 +224,9 @@ def test_reordered_documents_are_reused_and_ratio_1_reproduces_a_full_prefill(bl
     assert recomputed - recomputed_before == loaded - len(SYSTEM)
     assert_same_greedy_up_to_ties(warm, reference[tuple(REORDERED)], "ratio 1.0")
     assert first_token_gap(warm, reference[tuple(REORDERED)]) <= 1e-3
+    # The staging cache the engine loads and stores through is as large as the largest window so
+    # far (FIRST's save: its blocks), not max_model_len (4,096) for every layer.
+    assert -(-len(FIRST) // BLOCK_SIZE) * BLOCK_SIZE <= after["blend_staging_tokens"] < 4096
 
 
 def test_the_default_ratio_recomputes_its_share_and_0_recomputes_nothing(blend_llm, reference) -> None:
@@ -255,9 +260,11 @@ def test_a_document_evicted_between_lookup_and_load_ends_the_blend_at_the_block_
     before = counters(blend_llm)
     evicted = run(blend_llm, REORDERED, ratio=1.0, tags=tags)
     after = counters(blend_llm)
-    # S and D3 came (the load is short at D1): only their whole blocks are blended, and vLLM
-    # computes from the block holding D1's start (num_cached_tokens keeps what vLLM accepted).
+    # S and D3 came (the load is short at D1): only their whole blocks are blended, vLLM computes
+    # from the block holding D1's start, and num_cached_tokens counts what stayed (vLLM's own count is
+    # what it accepted; the connector recounts it, see the test below).
     kept = (len(SYSTEM) + len(DOCS[2])) // BLOCK_SIZE * BLOCK_SIZE
+    assert evicted[1] == kept
     assert after["retrieve_short"] - before["retrieve_short"] == 1
     assert (after["blend_reused_tokens"] - before["blend_reused_tokens"],
             after["blend_recomputed_tokens"] - before["blend_recomputed_tokens"]) == (kept, kept - len(SYSTEM))
@@ -279,11 +286,14 @@ def test_every_blend_step_has_its_span_under_the_requests_span(blend_llm) -> Non
     assert [span.name for span in request_spans] == ["flowkv.request"]
     steps = sorted((span.name, span.attributes.get("flowkv.layer", -1)) for span in spans
                    if span.parent_span_id == select.parent_span_id and span.name.startswith("flowkv.blend."))
-    # Two layers: both recomputed for every reused token up to the check layer (1), which selects;
-    # attention runs for the layers after which tokens go on (the last layer's output is not needed).
-    assert steps == [("flowkv.blend.attend", 0), ("flowkv.blend.check", 1), ("flowkv.blend.recompute", 0),
+    # Two layers: every reused token recomputed at the check layer (0), which selects the tokens that
+    # go on through layer 1; each layer's fused KV written into vLLM's blocks once recomputed,
+    # attention (over those blocks) for the layers after which tokens go on (the last layer's output
+    # is not needed), and a last write for the layers no recompute reached (none here).
+    assert steps == [("flowkv.blend.attend", 0), ("flowkv.blend.check", 0), ("flowkv.blend.recompute", 0),
                      ("flowkv.blend.recompute", 1), ("flowkv.blend.rerotate", -1), ("flowkv.blend.select", -1),
-                     ("flowkv.blend.stage", -1), ("flowkv.blend.write", -1)]
+                     ("flowkv.blend.stage", -1), ("flowkv.blend.write", -1), ("flowkv.blend.write", 0),
+                     ("flowkv.blend.write", 1)]
     loaded = (len(ONE_DOC) - len(QUESTIONS[2])) // BLOCK_SIZE * BLOCK_SIZE
     assert select.attributes["flowkv.selected_tokens"] == -(-(loaded - len(SYSTEM)) // 2)
     mine = [span for span in spans if span.parent_span_id == select.parent_span_id]
@@ -316,8 +326,9 @@ def test_a_corrupt_document_payload_is_never_loaded_and_the_blend_ends_at_the_bl
     after = counters(blend_llm)
     # decompress refused the payload (checksum), counted it and dropped it from the tier: the load is
     # short at D1, so only S and D3's whole blocks are blended and vLLM computes from the block holding
-    # D1's start (num_cached_tokens keeps what vLLM accepted at lookup).
+    # D1's start (num_cached_tokens counts what stayed).
     kept = (len(SYSTEM) + len(DOCS[2])) // BLOCK_SIZE * BLOCK_SIZE
+    assert corrupted[1] == kept
     assert (after["corrupt_payloads"] - before["corrupt_payloads"],
             after["retrieve_short"] - before["retrieve_short"]) == (1, 1)
     assert (after["blend_reused_tokens"] - before["blend_reused_tokens"],
@@ -344,3 +355,30 @@ def test_a_document_never_stored_ends_the_blend_and_is_stored_for_the_next_reque
     documents = len(WITH_NEW) - len(QUESTIONS[3])
     assert again[1] == documents // BLOCK_SIZE * BLOCK_SIZE > kept
     assert_same_greedy_up_to_ties(again, reference[tuple(WITH_NEW)], "ratio 1.0, every document found")
+
+
+def test_vllm_keeps_the_count_it_accepted_after_a_failed_load_and_the_connector_recounts_it() -> None:
+    """vLLM's facts behind ``num_cached_tokens`` after a short synchronous load: the scheduler sets a
+    request's prefill stats when it accepts the connector's count, and its handling of the blocks
+    that failed to load truncates the computed tokens but leaves those stats; the connector's
+    ``recount_short_load`` (called from ``update_connector_output``) brings them down to what stayed."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
+    from flowkv.integration.vllm.scheduler import recount_short_load
+
+    request = Request("r", list(range(1000)), SamplingParams(max_tokens=1), None)
+    request.prefill_stats.set(num_prompt_tokens=1000, num_local_cached_tokens=0, num_external_cached_tokens=896)
+    request.num_computed_tokens = 1000  # after the step: 896 loaded, 104 computed
+    blocks = [10, 11, 12, 13, 14, 15, 16, 17]
+    scheduler = SimpleNamespace(block_size=128, kv_cache_manager=SimpleNamespace(get_block_ids=lambda _: (blocks,)))
+    affected, _, _ = Scheduler._update_requests_with_invalid_blocks(scheduler, [request], {13}, {"r": 104})
+    assert affected == {"r"} and request.num_computed_tokens == 3 * 128  # recomputed from the failed block
+    assert request.prefill_stats.num_cached_tokens == 896  # vLLM's count: what it accepted
+    recount_short_load(request, blocks, {13}, 128)
+    assert (request.prefill_stats.num_cached_tokens, request.prefill_stats.num_computed_tokens) == (384, 616)
+    recount_short_load(request, blocks, {99}, 128)  # a block not of this request: nothing changes
+    assert request.prefill_stats.num_cached_tokens == 384

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import vllm  # noqa: F401,E402 - a broken vLLM install fails these tests; it never skips them
 
@@ -153,6 +154,62 @@ def test_quality_record_of_another_model_stops_vllm_at_start(tmp_path):
     logs = str(refused.value)
     assert "quality/cpu-disk-int8.json measured model " in logs and "trained-llama-" in logs
     assert "but vLLM serves" in logs and "config.json differs" in logs
+
+
+def test_int8_on_vllms_cpu_cache_quantizes_the_tokens_true_key_channels(tmp_path):
+    """vLLM's CPU blocks are packed (a block row is not a token): the worker draws the packing from
+    vLLM's cache-write op at start, and the int8 payloads it writes to disk hold the tokens' true keys
+    and values, quantized per key channel: each within int8's bound of the raw copy of the same
+    chunk, unpacked with a table this test draws itself."""
+    from flowkv import payload
+    from flowkv.codecs import get_codec
+    from flowkv.integration.vllm.cpu_packing import packed_layout
+
+    pipeline = tmp_path / "int8-beside-raw.toml"
+    pipeline.write_text(f"""extends = "cpu-disk-int8"
+[pipeline]
+name = "int8-beside-raw"
+[tiers.disk]
+path = "{tmp_path / 'int8'}"
+timeout_s = 10.0
+[tiers.raw]
+kind = "disk"
+path = "{tmp_path / 'raw'}"
+capacity = "256MiB"
+timeout_s = 10.0
+[store]
+replace = ["put", "compress", "put"]  # the raw copy beside the memory one, then int8 as shipped
+[[store.stages]]
+use = "put"
+tiers = ["memory", "raw"]
+[[store.stages]]
+use = "compress"
+codec = "int8"
+scale_dtype = "fp16"
+[[store.stages]]
+use = "put"
+tiers = ["disk"]
+[quality]
+mode = "warn"
+""", encoding="utf-8")
+    llm = make_llm({"pipeline": str(pipeline)})
+    try:
+        generate(llm, [request(random_tokens(501, 1100))])
+    finally:
+        shutdown_llm(llm)  # drains the disk tiers' write-behind
+    raw_files = sorted((tmp_path / "raw").rglob("*.kv"))
+    assert len(raw_files) == 4  # 1,024 of 1,100 tokens in chunks of 256
+    layout = packed_layout(torch.float32, block_size=128, head_size=64)  # the tiny model's, as the worker drew it
+    codec = get_codec("int8")
+    params = codec.resolve_params(scale_dtype="fp16")
+    for raw_file in raw_files:
+        raw = payload.decode(raw_file.read_bytes())
+        blob = (tmp_path / "int8" / raw_file.relative_to(tmp_path / "raw")).read_bytes()
+        assert payload.read_header(blob).unpacked
+        true = layout.unpack_chunk(raw)
+        loaded = layout.unpack_chunk(payload.decode(blob, packing=layout))
+        assert not torch.equal(loaded, true)
+        assert bool(((loaded.double() - true.double()).abs() <= codec.max_error(true, params)).all())
 
 
 def test_an_engine_in_this_process_frees_vllms_connector_slot_at_shutdown():

@@ -85,6 +85,6 @@ def test_cached_tokens_count_what_loaded_when_a_chunk_on_disk_is_corrupt(tmp_pat
         worker = query_worker(socket, "stats")["stats"]
         assert worker["tiers"]["disk"]["corrupt"] == 1
         # (async_loads = "auto", the default, made that disk hit an asynchronous load: a synchronous
-        # one that comes back short leaves vLLM counting all 7 chunks, the README's troubleshooting.)
+        # one that comes back short is recounted by the connector, the README's troubleshooting.)
     finally:
         server.close()

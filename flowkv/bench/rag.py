@@ -368,8 +368,8 @@ def plot(results: dict[str, Any], path: str) -> None:
     right.set_title("quality against the full prefill")
     right.grid(True, alpha=0.3)
     right.legend()
-    fig.suptitle(f"flowkv bench rag: {results['workload']['k']} documents x {results['workload']['doc_tokens']} "
-                 f"tokens in random order ({results['dtype']})")
+    fig.suptitle(f"flowkv bench rag, {Path(results['model']).name}: {results['workload']['k']} documents x "
+                 f"{results['workload']['doc_tokens']} tokens in random order ({results['dtype']})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}", file=sys.stderr)

@@ -115,7 +115,8 @@ def blend_stats(spans: Sequence[SpanRecord]) -> BlendStats | None:
     for span in blend:
         step = span.name[len(BLEND_SPAN_PREFIX):]
         step_ns[step] = step_ns.get(step, 0) + span.end_ns - span.start_ns
-    writes = [span for span in blend if span.name == BLEND_WRITE_SPAN]
+    # One write per blend carries its counts (the others write one layer each, "flowkv.layer").
+    writes = [span for span in blend if span.name == BLEND_WRITE_SPAN and "flowkv.layer" not in span.attributes]
     reused = sum(_int_attr(span, "flowkv.blend.reused_tokens") for span in writes)
     recomputed = sum(_int_attr(span, "flowkv.blend.recomputed_tokens") for span in writes)
     return BlendStats(blends=len(writes), reused_tokens=reused, recomputed_tokens=recomputed,

@@ -6,22 +6,30 @@ worker then, for each load, in ``start_load_kv`` (synchronously, before the
 forward pass that reads it):
 
 1. **load**: the engine retrieves the segments into a staging cache of true
-   tokens (``flash_kv_nhd``, one slot per position): vLLM's CPU blocks are
-   packed per ISA, and segments start and end inside blocks;
+   tokens (``flash_kv_nhd``; one slot per position of the transfer's window,
+   from the block holding its first token): vLLM's CPU blocks are packed per
+   ISA, and segments start and end inside blocks. The staging cache is as large
+   as the largest load or save so far (``window``), not ``max_model_len``;
 2. **re-rotate**: keys of a segment stored at another position are turned
    by the position delta with the layer's own ``rotary_emb``;
 3. **recompute**: the reused tokens (all but an exact prefix: tokens vLLM
    computed, and the first segment when it sits where it was stored) run
    through the model's own modules. Layers before the first check layer and
-   the check layer itself recompute every reused token; at the check layer the
-   ``recompute_ratio`` share whose K/V deviates most from the loaded K/V is
-   selected, and only those go on, layer by layer, attending over the fused KV
-   (exact prefix, loaded segments, tokens recomputed so far) with flowkv's own
-   attention at ``attn.impl.scale`` (`causal_attention`). vLLM's ``attn`` modules are never called
-   (they write vLLM's cache and re-enter the connector's hooks), and weights
-   are never read (vLLM's CPU backend empties them after packing);
-4. **write**: every loaded token's K/V goes into vLLM's blocks through vLLM's
-   own cache-write op (``cpu_packing.write_tokens``).
+   the check layer itself recompute every reused token (and keep what they
+   recompute); at the check layer the ``recompute_ratio`` share whose K/V
+   deviates most from the loaded K/V is selected, and only those go on, layer
+   by layer, attending over the fused KV
+   (exact prefix, loaded segments, tokens recomputed so far). vLLM's ``attn``
+   modules are never called (they write vLLM's cache and re-enter the
+   connector's hooks), and weights are never read (vLLM's CPU backend empties
+   them after packing);
+4. **write**: each layer's fused K/V goes into vLLM's blocks through vLLM's
+   own cache-write op (``cpu_packing.write_tokens``) as soon as the layer is
+   recomputed; the attention of the tokens that go on then reads it there,
+   through vLLM's own CPU attention op at ``attn.impl.scale``
+   (``cpu_packing.packed_attention``: each run of consecutive selected
+   positions one causal sequence, a lone one a decode). Layers no recompute
+   reached are written at the end.
 
 Saves go the other way: the tokens a save covers are read out of vLLM's
 packed blocks (``PackedBlockLayout.read_tokens``) into the staging cache, and
@@ -34,8 +42,9 @@ and the whole fused KV of every layer before vLLM's first layer reads it, and
 on the CPU backend an asynchronous path would compete with vLLM's own OpenMP
 workers for the same cores (see the README). It runs outside the engine's
 lock, so lookups go on meanwhile. Each step has its span under the request's:
-``flowkv.blend.stage`` (saves), ``.rerotate``, ``.recompute`` and ``.attend``
-(per layer), ``.check``, ``.select``, ``.write``.
+``flowkv.blend.stage`` (saves), ``.rerotate``, ``.recompute``, ``.write`` and
+``.attend`` (per layer), ``.check``, ``.select``, and a last ``.write`` for the
+layers no recompute reached.
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from opentelemetry import trace
 
-from flowkv.integration.vllm.cpu_packing import packed_layout, write_tokens
+from flowkv.integration.vllm.cpu_packing import packed_attention, packed_layout, write_tokens
 from flowkv.integration.vllm.metadata import ceil_to, slot_mapping
 from flowkv.integration.vllm.models import BLENDABLE_ARCHITECTURES, loaded_model
 from flowkv.integration.vllm.rope import rerotate_with
@@ -63,10 +72,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("flowkv.integration")
 
-__all__ = ["BlendCounts", "Blender", "causal_attention", "refuse_unblendable"]
-
-# Queries per attention call: bounds the score matrix (queries x heads x keys) the recompute holds.
-_QUERY_TILE = 256
+__all__ = ["BlendCounts", "Blender", "refuse_unblendable"]
 
 
 def refuse_unblendable(vllm_config: VllmConfig, pipeline: Pipeline, *, cpu: bool = True) -> None:
@@ -113,28 +119,6 @@ def _refuse_variant(layer: Any, name: str) -> None:
                            "recompute; use a prefix pipeline such as 'local-cpu' with this model")
 
 
-def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """Attention of queries ``q`` ``(n, heads * head_size)`` at ``positions`` over the KV of positions
-    ``[0, len(keys))`` (``(tokens, kv_heads, head_size)``), each query seeing positions up to its own;
-    grouped heads (query head ``h`` reads KV head ``h // (heads // kv_heads)``), in fp32, at ``scale``
-    (vLLM's ``attn.impl.scale``). Returns ``(n, heads * head_size)`` in ``q``'s dtype."""
-    kv_heads, head_size = keys.shape[1], keys.shape[2]
-    heads = q.shape[-1] // head_size
-    group = heads // kv_heads
-    queries = q.reshape(len(q), kv_heads, group, head_size).float()
-    k, v = keys.float(), values.float()
-    out = torch.empty(len(q), kv_heads, group, head_size, dtype=torch.float32)
-    key_positions = torch.arange(len(keys))
-    for first in range(0, len(q), _QUERY_TILE):
-        tile = slice(first, first + _QUERY_TILE)
-        scores = torch.einsum("qhgd,khd->qhgk", queries[tile], k) * scale
-        hidden = key_positions[None, :] > positions[tile, None]
-        scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
-        out[tile] = torch.einsum("qhgk,khd->qhgd", torch.softmax(scores, dim=-1), v)
-    return out.reshape(len(q), heads * head_size).to(q.dtype)
-
-
 @dataclass
 class BlendCounts:
     """What one blend did: tokens loaded from segments, and of them the ones recomputed past the check."""
@@ -145,11 +129,10 @@ class BlendCounts:
 
 @dataclass
 class _Layer:
-    """One decoder layer's modules, and its KV cache in vLLM (packed) and in the staging cache."""
+    """One decoder layer's modules, and its KV cache in vLLM (packed)."""
 
     module: Any  # LlamaDecoderLayer / Qwen2DecoderLayer
     kv_cache: torch.Tensor
-    staging: torch.Tensor  # (2, blocks, block_size, heads, head_size)
 
 
 class Blender:
@@ -170,7 +153,7 @@ class Blender:
         self.tracer: Any = trace.NoOpTracer()
         first = next(iter(kv_caches.values()))
         self._layout = packed_layout(first.dtype, block_size=block_size, head_size=head_size)
-        num_blocks = ceil_to(vllm_config.model_config.max_model_len, block_size) // block_size
+        self._max_blocks = ceil_to(vllm_config.model_config.max_model_len, block_size) // block_size
         by_name = {}
         for module in model.model.layers:
             by_name[module.self_attn.attn.layer_name] = module
@@ -179,14 +162,35 @@ class Blender:
             if name not in by_name:
                 raise RuntimeError(f"flowkv: vLLM's KV cache names layer {name!r}, which the model has not")
             _refuse_variant(by_name[name], name)
-            staging = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=first.dtype)
-            self._layers.append(_Layer(module=by_name[name], kv_cache=kv_cache, staging=staging))
+            self._layers.append(_Layer(module=by_name[name], kv_cache=kv_cache))
         self.geometry = KVGeometry("flash_kv_nhd", num_layers=len(self._layers), num_kv_heads=num_kv_heads,
                                    head_size=head_size, block_size=block_size, dtype=first.dtype)
-        #: the staging cache's blocks, in order: slot = position
-        self.identity_blocks = list(range(num_blocks))
-        self.staging = [layer.staging for layer in self._layers]
+        #: the staging cache, one ``(2, blocks, block_size, heads, head_size)`` tensor per layer, where the
+        #: engine loads and stores; grown in place (this list) by `window`
+        self.staging = [torch.empty(2, 0, block_size, num_kv_heads, head_size, dtype=first.dtype)
+                        for _ in self._layers]
+        self._base = 0  # the position the staging cache's first slot holds (the window's first block)
+        self._reported_tokens = 0  # the staging cache's size as `staging_growth` last told it
         self._num_kv_heads, self._head_size = num_kv_heads, head_size
+
+    def window(self, start: int, end: int) -> list[int]:
+        """Make the staging cache the window of positions from the block holding ``start`` to ``end``
+        (growing it if it is smaller); the block ids that put a position's slot there, for
+        ``slot_mapping`` (the ids of blocks before the window are never used)."""
+        first = start // self._block_size
+        blocks = ceil_to(end, self._block_size) // self._block_size - first
+        if blocks > self.staging[0].shape[1]:
+            # Grown to the largest window so far (with room to spare), never past max_model_len.
+            size = min(max(blocks, self.staging[0].shape[1] * 3 // 2), max(blocks, self._max_blocks))
+            self.staging[:] = [torch.empty(2, size, *staged.shape[2:], dtype=staged.dtype) for staged in self.staging]
+        self._base = first * self._block_size
+        return [0] * first + list(range(blocks))
+
+    def staging_growth(self) -> int:
+        """Tokens the staging cache grew by since the last call (their sum: its size)."""
+        size = self.staging[0].shape[1] * self._block_size
+        grown, self._reported_tokens = size - self._reported_tokens, size
+        return grown
 
     # -- saves ------------------------------------------------------------------------
 
@@ -199,14 +203,15 @@ class Blender:
             if chunk_end > skip_prefix:
                 break
             start = chunk_end
+        start = max(start, self._base)  # before the save's window: not stored, so not staged
         if start >= end:
             return
         slots = slot_mapping(block_ids, self._block_size, start, end - start, start, end)
         with torch.inference_mode(), self._span("flowkv.blend.stage", {"flowkv.tokens": end - start}):
-            for layer in self._layers:
+            for index, layer in enumerate(self._layers):
                 keys, values = self._layout.read_tokens(layer.kv_cache, slots)
-                self._staged(layer, 0, start, end).copy_(keys)
-                self._staged(layer, 1, start, end).copy_(values)
+                self._staged(index, 0, start, end).copy_(keys)
+                self._staged(index, 1, start, end).copy_(values)
 
     # -- loads ------------------------------------------------------------------------
 
@@ -222,8 +227,9 @@ class Blender:
 
     def _blend_loaded(self, token_ids: Sequence[int], block_ids: list[int], start: int, end: int,
                       moved: Sequence[tuple[int, int, int]], ratio: float) -> BlendCounts:
-        keys = [self._staged(layer, 0, start, end).clone() for layer in self._layers]
-        values = [self._staged(layer, 1, start, end).clone() for layer in self._layers]
+        # Worked on in place: nothing reads the staging cache after the blend.
+        keys = [self._staged(index, 0, start, end) for index in range(len(self._layers))]
+        values = [self._staged(index, 1, start, end) for index in range(len(self._layers))]
         with self._span("flowkv.blend.rerotate", {"flowkv.pieces": len(moved)}):
             for piece_start, piece_end, stored_start in moved:
                 lo, hi = max(piece_start, start), min(piece_end, end)
@@ -235,13 +241,16 @@ class Blender:
                                                                       piece_start - stored_start)
         reuse_from = self._exact_end(token_ids, start, end, moved)
         counts = BlendCounts(reused=end - start)
+        slots = slot_mapping(block_ids, self._block_size, start, end - start, start, end)
+        written = 0  # layers whose fused KV is in vLLM's blocks
         if ratio > 0 and reuse_from < end:
-            counts.recomputed = self._recompute(token_ids, block_ids, start, reuse_from, end, keys, values, ratio)
+            counts.recomputed, written = self._recompute(token_ids, block_ids, slots, start, reuse_from, end, keys,
+                                                         values, ratio)
         with self._span("flowkv.blend.write", {"flowkv.tokens": end - start,
+                                               "flowkv.layers": len(self._layers) - written,
                                                "flowkv.blend.reused_tokens": counts.reused,
                                                "flowkv.blend.recomputed_tokens": counts.recomputed}):
-            slots = slot_mapping(block_ids, self._block_size, start, end - start, start, end)
-            for layer, layer_keys, layer_values in zip(self._layers, keys, values):
+            for layer, layer_keys, layer_values in zip(self._layers[written:], keys[written:], values[written:]):
                 write_tokens(self._layout, layer.kv_cache, slots, layer_keys, layer_values)
         return counts
 
@@ -256,13 +265,14 @@ class Blender:
             return start
         return min(first_end, end)
 
-    def _recompute(self, token_ids: Sequence[int], block_ids: list[int], start: int, reuse_from: int, end: int,
-                   keys: list[torch.Tensor], values: list[torch.Tensor], ratio: float) -> int:
+    def _recompute(self, token_ids: Sequence[int], block_ids: list[int], slots: torch.Tensor, start: int,
+                   reuse_from: int, end: int, keys: list[torch.Tensor], values: list[torch.Tensor],
+                   ratio: float) -> tuple[int, int]:
         """Recompute reused tokens ``[reuse_from, end)`` into ``keys`` / ``values`` (the loaded
-        ``[start, end)``), layer by layer; the number of tokens selected at the check layer."""
+        ``[start, end)``, at ``slots`` of vLLM's blocks), layer by layer, writing each layer's fused
+        KV into vLLM's blocks; the number of tokens selected at the check layer, and of layers written."""
         model = self._model
         check_layer = min(min(self._blend.check_layers), len(self._layers) - 1)
-        prefix_slots = slot_mapping(block_ids, self._block_size, 0, start, 0, start) if start > 0 else None
         ids = torch.tensor(list(token_ids[reuse_from:end]), dtype=torch.int64)
         positions = torch.arange(reuse_from, end, dtype=torch.int64)
         rows = positions - start  # rows of the reused tokens in keys / values
@@ -284,6 +294,10 @@ class Blender:
                 with self._span("flowkv.blend.check", {"flowkv.layer": index, "flowkv.tokens": len(rows)}):
                     deviation = ((k.float() - keys[index][rows].float()).square().sum(dim=(1, 2))
                                  + (v.float() - values[index][rows].float()).square().sum(dim=(1, 2)))
+                # Every reused token's K/V of this layer is recomputed, and kept (up to here every
+                # layer recomputed them all: they are a full prefill's, not the loaded ones).
+                keys[index][rows] = k
+                values[index][rows] = v
                 with self._span("flowkv.blend.select", {"flowkv.recompute_ratio": ratio}) as span:
                     keep = max(1, math.ceil(ratio * len(rows)))
                     selected = torch.sort(torch.topk(deviation, keep).indices).values
@@ -293,29 +307,27 @@ class Blender:
                     rows, positions, residual = rows[selected], positions[selected], residual[selected]
             keys[index][rows] = k
             values[index][rows] = v
+            with self._span("flowkv.blend.write", {"flowkv.layer": index, "flowkv.tokens": end - start}):
+                # The fused KV of this layer (vLLM's prefix is there already): what the attention reads.
+                write_tokens(self._layout, layer.kv_cache, slots, keys[index], values[index])
             if index == len(self._layers) - 1:
                 break
             with self._span("flowkv.blend.attend", {"flowkv.layer": index, "flowkv.tokens": len(rows)}):
-                fused_keys, fused_values = self._fused(layer, prefix_slots, keys[index], values[index])
-                out = causal_attention(q, fused_keys, fused_values, positions, float(attn.attn.impl.scale))
-                output, _ = attn.o_proj(out)
+                queries = q.reshape(len(rows), -1, self._head_size).to(layer.kv_cache.dtype)
+                out = packed_attention(queries, layer.kv_cache, block_ids, positions,
+                                       scale=float(attn.attn.impl.scale), isa=self._layout.isa)
+                output, _ = attn.o_proj(out.view(len(rows), -1).to(q.dtype))
                 hidden, residual = layer.module.post_attention_layernorm(output, residual)
                 hidden = layer.module.mlp(hidden)
-        return len(rows)
-
-    def _fused(self, layer: _Layer, prefix_slots: torch.Tensor | None, keys: torch.Tensor,
-               values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's KV of positions ``[0, end)``: the prefix vLLM holds, then the load's tokens."""
-        if prefix_slots is None:
-            return keys, values
-        prefix_keys, prefix_values = self._layout.read_tokens(layer.kv_cache, prefix_slots)
-        return torch.cat([prefix_keys, keys]), torch.cat([prefix_values, values])
+        return len(rows), index + 1
 
     # -- helpers ----------------------------------------------------------------------
 
-    def _staged(self, layer: _Layer, kind: int, start: int, end: int) -> torch.Tensor:
-        """The staging cache's K (0) or V (1) of positions ``[start, end)``, ``(tokens, heads, head_size)``."""
-        return layer.staging[kind].view(-1, self._num_kv_heads, self._head_size)[start:end]
+    def _staged(self, layer: int, kind: int, start: int, end: int) -> torch.Tensor:
+        """Layer ``layer``'s K (0) or V (1) of positions ``[start, end)`` in the staging cache's window,
+        ``(tokens, heads, head_size)``."""
+        tokens = self.staging[layer][kind].view(-1, self._num_kv_heads, self._head_size)
+        return tokens[start - self._base:end - self._base]
 
     def _span(self, name: str, attributes: dict[str, Any]) -> Any:
         return self.tracer.start_as_current_span(name, attributes=attributes)

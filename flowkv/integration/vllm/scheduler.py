@@ -132,6 +132,20 @@ class RequestState:
     remote_asked_at: float = 0.0
 
 
+def recount_short_load(request: Request, block_ids: list[int], invalid: set[int], block_size: int) -> None:
+    """Count in a request's ``num_cached_tokens`` only the external tokens before its first block
+    whose load failed. vLLM recomputes from that block, but its prefill stats keep the count it
+    accepted at scheduling (``tests/test_vllm_blend.py`` pins both)."""
+    stats = getattr(request, "prefill_stats", None)
+    bad = next((index for index, block in enumerate(block_ids) if block in invalid), None)
+    if stats is None or bad is None:
+        return
+    external = max(0, min(stats.num_external_cached_tokens, bad * block_size - stats.num_local_cached_tokens))
+    if external < stats.num_external_cached_tokens:
+        stats.set(num_prompt_tokens=stats.num_prompt_tokens, num_local_cached_tokens=stats.num_local_cached_tokens,
+                  num_external_cached_tokens=external)
+
+
 class ConnectorScheduler:
     """The scheduler side of ``FlowKVConnector``."""
 
@@ -456,11 +470,16 @@ class ConnectorScheduler:
                         chunk_hashes=hashes, block_hashes=block_hashes)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """A short asynchronous load makes that request's later loads synchronous."""
+        """A short asynchronous load makes that request's later loads synchronous; a short
+        synchronous one is counted in ``num_cached_tokens`` as far as it got."""
         for req_id in getattr(connector_output, "failed_recving", None) or ():
             state = self._requests.get(req_id)
             if state is not None:
                 state.async_failures += 1
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:
+            for state in self._requests.values():
+                recount_short_load(state.request, state.block_ids, invalid, self._block_size)
 
     # -- the end ---------------------------------------------------------------------
 

@@ -135,6 +135,7 @@ class ConnectorWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Detect the paged cache's layout, build the engine, serve lookups."""
         from flowkv.engine import CacheEngine
+        from flowkv.integration.vllm.cpu_packing import engine_packing
         from flowkv.kernels import detect_layout
 
         spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
@@ -163,6 +164,7 @@ class ConnectorWorker:
             model_name=self._settings.model_name,
             world_size=self._instance.world_size,
             rank=rank,
+            packing=engine_packing(geometry),
         )
         self._arena = getattr(self._engine.memory, "arena", None)
         if self._blender is not None:
@@ -214,8 +216,8 @@ class ConnectorWorker:
         """
         tokens = torch.tensor(token_ids, dtype=torch.int64)
         offset = spec.token_start
-        # A blend moves KV through its staging cache, where a token's slot is its position.
-        block_ids = self._blender.identity_blocks if self._blender is not None else spec.block_ids
+        # A blend moves KV through its staging cache, a window of positions from the block holding the first.
+        block_ids = self._blender.window(max(start, offset), end) if self._blender is not None else spec.block_ids
         return KVTransfer(tokens=tokens, kv_caches=self._engine_layers,
                           slot_mapping=slot_mapping(block_ids, self._block_size, offset, len(tokens), start, end),
                           mask=chunk_mask(len(tokens), spec.skip_prefix - offset), tags=spec.tags or None,
@@ -294,6 +296,7 @@ class ConnectorWorker:
         with self._engine_lock:
             self._engine.count("blend_reused_tokens", counts.reused)
             self._engine.count("blend_recomputed_tokens", counts.recomputed)
+            self._engine.count("blend_staging_tokens", self._blender.staging_growth())
 
     def _load_failed(self, load: LoadSpec) -> None:
         """A retrieve that raised: drop the pins its lookup took; vLLM recomputes the load."""
