@@ -222,7 +222,7 @@ def _quality(argv: list[str]) -> int:
 
 
 QUALITY_PROMPTS = 8
-INT8_FLOOR = 0.7
+INT8_FLOOR = 0.6
 
 
 @pytest.mark.vllm
@@ -249,10 +249,11 @@ def test_quality_run_with_vllm_measures_int4_below_int8_and_the_gate_uses_it(tmp
     assert rows["none"]["max_logprob_diff"] < rows["int8"]["max_logprob_diff"] < rows["int4"]["max_logprob_diff"]
     assert rows["int8"]["agreement"] >= rows["int4"]["agreement"]
     # The random tiny model has near-ties everywhere, and which way int8's rounding tips them depends on
-    # the kernels: int8 measured 0.89-1.0 on 4 prompts with compiled engines in vLLM's processes, and
-    # 0.742 (95 of 128 tokens, the same in every run) on these 8 prompts with the eager engine in the
-    # test's process. The floor keeps a margin of five tokens below that; int8 against int4, above, is
-    # the relation that holds on any kernels.
+    # the kernels and, while the codecs quantized vLLM's packed block interiors, on the ISA's packing:
+    # on these 8 prompts with the eager engine in the test's process int8 measured 0.742 (95 of 128
+    # tokens) on an AMX machine and 0.625 on an AVX-512 one without AMX; on true key channels 0.773
+    # (99 of 128) on the latter. The floor keeps a margin of 22 tokens below that and stays far above
+    # int4's (0.18 there); int8 against int4, above, is the relation that holds on any kernels.
     assert rows["int8"]["agreement"] >= INT8_FLOOR
     worst = min(rows["int8"]["agreement"], rows["int4"]["agreement"])
     assert status == (0 if worst >= 0.5 else 1)
