@@ -480,7 +480,7 @@ def test_pipeline_files_validate_every_new_codec_option(tmp_path):
 def test_compress_stage_keeps_the_last_window_tokens_of_each_stored_prefix_exact(tmp_path):
     """Through the engine: 600 tokens store two 256-token chunks (no partial chunks); with
     window = 64 the stored prefix's last 64 tokens come back bit-exact, the rest int4."""
-    from flowkv import CacheEngine
+    from flowkv import CacheEngine, KVTransfer
     from flowkv._testing.paged import make_paged_kv, random_slot_mapping
     from flowkv.kernels import KVGeometry, gather
     from flowkv.pipeline import dumps_pipeline
@@ -499,9 +499,9 @@ def test_compress_stage_keeps_the_last_window_tokens_of_each_stored_prefix_exact
         tokens = torch.randint(0, 32000, (600,), generator=torch.Generator().manual_seed(0))
         src = make_paged_kv(geometry, 64, seed=1)
         slots = random_slot_mapping(600, geometry, 64, seed=2)
-        assert engine.store(tokens, kv_caches=src, slot_mapping=slots) == 512
+        assert engine.store(KVTransfer(tokens=tokens, kv_caches=src, slot_mapping=slots)).stored_tokens == 512
         dst = make_paged_kv(geometry, 64, seed=0, fill=False)
-        mask = engine.retrieve(tokens, kv_caches=dst, slot_mapping=slots)
+        mask = engine.retrieve(KVTransfer(tokens=tokens, kv_caches=dst, slot_mapping=slots)).ret_mask
         assert int(mask.sum()) == 512
 
         def region(kv_caches):

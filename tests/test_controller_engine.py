@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fleet_helpers import ControllerProcess, wait_for
-from flowkv import CacheEngine
+from flowkv import CacheEngine, KVTransfer
 from flowkv._testing.paged import make_paged_kv, random_slot_mapping
 from flowkv.fleet.holder import EngineHolder
 from flowkv.fleet.reporter import ReporterConfig
@@ -50,7 +50,7 @@ def store(engine, lock, geometry, seed: int, chunks: int = 3, extra: int = 0) ->
     kv = make_paged_kv(geometry, NUM_BLOCKS, seed=seed)
     slots = random_slot_mapping(len(ids), geometry, NUM_BLOCKS, seed=seed)
     with lock:
-        assert engine.store(ids, kv_caches=kv, slot_mapping=slots) == len(ids)
+        assert engine.store(KVTransfer(tokens=ids, kv_caches=kv, slot_mapping=slots)).stored_tokens == len(ids)
         assert engine.flush(30.0)
     return ids.tolist()
 

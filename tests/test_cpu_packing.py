@@ -181,7 +181,7 @@ def test_an_engine_with_vllms_packing_stores_int8_per_true_key_channel_and_loads
     is not the one the op wrote (the bound is per true channel; loud channels break it otherwise)."""
     import time
 
-    from flowkv import CacheEngine, payload
+    from flowkv import CacheEngine, KVTransfer, payload
     from flowkv.codecs import get_codec
     from flowkv.items import Request
     from flowkv.kernels import KVGeometry
@@ -205,7 +205,7 @@ def test_an_engine_with_vllms_packing_stores_int8_per_true_key_channel_and_loads
         for layer, kv in zip(src, true):
             write_tokens(layout, layer, slots, kv[0], kv[1])
         tokens = torch.randint(0, 32000, (len(slots),), generator=g)
-        assert engine.store(tokens, kv_caches=src, slot_mapping=slots) == len(slots)
+        assert engine.store(KVTransfer(tokens=tokens, kv_caches=src, slot_mapping=slots)).stored_tokens == len(slots)
         assert engine.flush(30.0)
         keys = [k.to_str() for k in engine.chunk_keys(Request(tokens=tokens))]
         blobs = [(tmp_path / "disk" / key_digest(k)[:2] / f"{key_digest(k)}.kv").read_bytes() for k in keys]
@@ -214,7 +214,7 @@ def test_an_engine_with_vllms_packing_stores_int8_per_true_key_channel_and_loads
             assert engine.memory.remove(key)
         dst = [torch.zeros_like(layer) for layer in src]
         deadline = time.monotonic() + 30
-        while not bool(engine.retrieve(tokens, kv_caches=dst, slot_mapping=slots).all()):
+        while not bool(engine.retrieve(KVTransfer(tokens=tokens, kv_caches=dst, slot_mapping=slots)).ret_mask.all()):
             assert time.monotonic() < deadline, "the disk copy never came back"
         codec = get_codec("int8")
         params = codec.resolve_params(scale_dtype="fp16")

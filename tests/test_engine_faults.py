@@ -91,7 +91,7 @@ def test_a_corrupt_payload_in_memory_is_a_counted_miss_and_never_loaded(where):
     dst = make_paged_kv(GEOMETRY, NUM_BLOCKS, seed=2, fill=False)
     ids = tokens()
     slots = random_slot_mapping(NUM_TOKENS, GEOMETRY, NUM_BLOCKS, seed=3)
-    assert e.store(ids, kv_caches=src, slot_mapping=slots) == NUM_TOKENS
+    assert e.store(KVTransfer(tokens=ids, kv_caches=src, slot_mapping=slots)).stored_tokens == NUM_TOKENS
 
     # Chunk 1's slab, encoded by the pipeline's codec: flip a byte of its header or of its body.
     key = e.memory.keys()[1]  # oldest first, i.e. in chunk order after one store
@@ -132,7 +132,7 @@ def test_a_chunk_evicted_after_lookup_shrinks_the_mask_and_names_the_range(tmp_p
     dst = make_paged_kv(GEOMETRY, NUM_BLOCKS, seed=2, fill=False)
     ids = tokens()
     slots = random_slot_mapping(NUM_TOKENS, GEOMETRY, NUM_BLOCKS, seed=3)
-    e.store(ids, kv_caches=src, slot_mapping=slots)
+    e.store(KVTransfer(tokens=ids, kv_caches=src, slot_mapping=slots))
 
     result = e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots))
     ret_mask = result.ret_mask
@@ -165,19 +165,19 @@ def test_a_raising_stage_is_logged_and_counted_and_the_call_answers_safely(faili
     ids = tokens()
     slots = random_slot_mapping(NUM_TOKENS, GEOMETRY, NUM_BLOCKS, seed=3)
     # Untagged requests work: the stage is in every list (lookup runs the head of retrieve).
-    assert e.store(ids, kv_caches=kv, slot_mapping=slots) == NUM_TOKENS
+    assert e.store(KVTransfer(tokens=ids, kv_caches=kv, slot_mapping=slots)).stored_tokens == NUM_TOKENS
     assert e.lookup(ids) == NUM_TOKENS
 
     boom = {"explode": "yes"}
     with caplog.at_level(logging.ERROR, logger="flowkv.engine"):
-        assert e.store(ids, kv_caches=kv, slot_mapping=slots, tags=boom) == 0
+        assert e.store(KVTransfer(tokens=ids, kv_caches=kv, slot_mapping=slots, tags=boom)).stored_tokens == 0
     assert "disk on fire during store" in caplog.text
     assert "explode_when_tagged" in caplog.text, "the log names the failing stage"
     # A success in between resets the count of failures in a row.
     assert e.lookup(ids) == NUM_TOKENS
     assert e.lookup(ids, tags=boom) == 0
     assert e.is_healthy()
-    ret_mask = e.retrieve(ids, kv_caches=kv, slot_mapping=slots, tags=boom)
+    ret_mask = e.retrieve(KVTransfer(tokens=ids, kv_caches=kv, slot_mapping=slots, tags=boom)).ret_mask
     assert ret_mask.shape == (NUM_TOKENS,) and not ret_mask.any()
 
     stats = e.stats()
@@ -190,7 +190,7 @@ def test_three_failures_in_a_row_make_the_engine_unhealthy_and_skip_work(failing
     kv = make_paged_kv(GEOMETRY, NUM_BLOCKS, seed=1)
     ids = tokens()
     slots = random_slot_mapping(NUM_TOKENS, GEOMETRY, NUM_BLOCKS, seed=3)
-    assert e.store(ids, kv_caches=kv, slot_mapping=slots) == NUM_TOKENS
+    assert e.store(KVTransfer(tokens=ids, kv_caches=kv, slot_mapping=slots)).stored_tokens == NUM_TOKENS
     e.lookup(ids, pin=True, lookup_id="req")
     boom = {"explode": "yes"}
     for _ in range(3):
@@ -202,9 +202,9 @@ def test_three_failures_in_a_row_make_the_engine_unhealthy_and_skip_work(failing
 
     # Skipped, not attempted: even requests that would succeed, and the failing stage is not called.
     assert e.lookup(ids) == 0
-    assert e.store(tokens(seed=5), kv_caches=kv, slot_mapping=slots) == 0
+    assert e.store(KVTransfer(tokens=tokens(seed=5), kv_caches=kv, slot_mapping=slots)).stored_tokens == 0
     dst = make_paged_kv(GEOMETRY, NUM_BLOCKS, seed=2, fill=False)
-    ret_mask = e.retrieve(ids, kv_caches=dst, slot_mapping=slots, lookup_id="req")
+    ret_mask = e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots, lookup_id="req")).ret_mask
     assert not ret_mask.any() and not dst[0].any()
     assert len(EXPLOSIONS) == 3
     stats = e.stats()
@@ -219,6 +219,6 @@ def test_a_closed_engine_skips_work():
     slots = random_slot_mapping(NUM_TOKENS, GEOMETRY, NUM_BLOCKS, seed=3)
     e.close()
     assert not e.is_healthy()
-    assert e.store(tokens(), kv_caches=kv, slot_mapping=slots) == 0
+    assert e.store(KVTransfer(tokens=tokens(), kv_caches=kv, slot_mapping=slots)).stored_tokens == 0
     assert e.lookup(tokens()) == 0
     e.close()  # twice is fine

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from flowkv import CacheEngine
+from flowkv import CacheEngine, KVTransfer
 from flowkv.kernels import KVGeometry
 from flowkv.testing import ManualClock
 from flowkv._testing.paged import make_paged_kv, random_slot_mapping
@@ -35,11 +35,12 @@ SLOTS = random_slot_mapping(NUM_BLOCKS * GEOMETRY.block_size, GEOMETRY, NUM_BLOC
 
 
 def store(e: CacheEngine, ids: torch.Tensor) -> int:
-    return e.store(ids, kv_caches=SRC, slot_mapping=SLOTS[: len(ids)])
+    return e.store(KVTransfer(tokens=ids, kv_caches=SRC, slot_mapping=SLOTS[: len(ids)])).stored_tokens
 
 
 def retrieve(e: CacheEngine, ids: torch.Tensor, dst, **kwargs) -> int:
-    return int(e.retrieve(ids, kv_caches=dst, slot_mapping=SLOTS[: len(ids)], **kwargs).sum())
+    return int(e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=SLOTS[: len(ids)],
+                                     **kwargs)).ret_mask.sum())
 
 
 def pinned(e: CacheEngine) -> int:

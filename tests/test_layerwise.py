@@ -56,22 +56,22 @@ def test_layerwise_round_trip_equals_whole_request(layout: str) -> None:
     whole = CacheEngine.from_pipeline("local-cpu", geometry=g, model_name="tiny",
                                       overrides={"chunk_size": CHUNK, "tiers.memory.capacity": "16MiB"})
     assert layerwise.layerwise and not whole.layerwise
-    handle = layerwise.store_layerwise(tokens, kv_caches=src, slot_mapping=slots)
+    handle = layerwise.store_layerwise(KVTransfer(tokens=tokens, kv_caches=src, slot_mapping=slots))
     for layer in range(g.num_layers):
         handle.layer_ready(layer)
     assert handle.finish() == 5 * CHUNK
     assert handle.result.stored_tokens == 5 * CHUNK
-    assert whole.store(tokens, kv_caches=src, slot_mapping=slots) == 5 * CHUNK
+    assert whole.store(KVTransfer(tokens=tokens, kv_caches=src, slot_mapping=slots)).stored_tokens == 5 * CHUNK
 
     dst_layerwise = make_paged_kv(g, BLOCKS, seed=9, fill=False)
     dst_whole = make_paged_kv(g, BLOCKS, seed=9, fill=False)
-    retrieve = layerwise.retrieve_layerwise(tokens, kv_caches=dst_layerwise, slot_mapping=slots)
+    retrieve = layerwise.retrieve_layerwise(KVTransfer(tokens=tokens, kv_caches=dst_layerwise, slot_mapping=slots))
     for layer in range(g.num_layers):
         retrieve.wait(layer)
     mask_layerwise = retrieve.finish()
     assert retrieve.found_to == retrieve.result.loaded_to == 5 * CHUNK
     assert torch.equal(retrieve.result.ret_mask, mask_layerwise)
-    mask_whole = whole.retrieve(tokens, kv_caches=dst_whole, slot_mapping=slots)
+    mask_whole = whole.retrieve(KVTransfer(tokens=tokens, kv_caches=dst_whole, slot_mapping=slots)).ret_mask
 
     assert torch.equal(mask_layerwise, mask_whole)
     assert int(mask_layerwise.sum()) == 5 * CHUNK
@@ -159,11 +159,11 @@ def test_each_layer_lands_by_its_wait_while_later_layers_are_still_pending(paced
     engine, pacer = paced
     g = engine.geometry
     src, dst, tokens, slots = paged_request(g, seed=3)
-    engine.store(tokens, kv_caches=src, slot_mapping=slots)
+    engine.store(KVTransfer(tokens=tokens, kv_caches=src, slot_mapping=slots))
     hit = slots[: 5 * CHUNK]
     want = read_back(src, g, hit)
     pacer.opened[0].set()
-    retrieve = engine.retrieve_layerwise(tokens, kv_caches=dst, slot_mapping=slots)
+    retrieve = engine.retrieve_layerwise(KVTransfer(tokens=tokens, kv_caches=dst, slot_mapping=slots))
     for layer in range(g.num_layers):
         retrieve.wait(layer)
         got = read_back(dst, g, hit)
@@ -186,7 +186,7 @@ def compute_while_loading(engine: CacheEngine, pacer: LayerPacer, tokens, dst, s
     time of the synchronous case, where it never starts meanwhile).
     """
     pacer.opened[0].set()
-    retrieve = engine.retrieve_layerwise(tokens, kv_caches=dst, slot_mapping=slots)
+    retrieve = engine.retrieve_layerwise(KVTransfer(tokens=tokens, kv_caches=dst, slot_mapping=slots))
     work = torch.randn(64, 64)
     for layer in range(pacer.num_layers):
         retrieve.wait(layer)
@@ -211,7 +211,7 @@ def overlapped_layers(pacer: LayerPacer) -> list[int]:
 def test_layer_i_plus_1_moves_while_layer_i_computes(paced) -> None:
     engine, pacer = paced
     src, dst, tokens, slots = paged_request(engine.geometry, seed=4)
-    engine.store(tokens, kv_caches=src, slot_mapping=slots)
+    engine.store(KVTransfer(tokens=tokens, kv_caches=src, slot_mapping=slots))
     mask = compute_while_loading(engine, pacer, tokens, dst, slots, overlap_wait_s=READY_S)
     assert int(mask.sum()) == 5 * CHUNK
     assert overlapped_layers(pacer) == list(range(engine.geometry.num_layers - 1)), pacer.log
@@ -242,7 +242,7 @@ def test_a_synchronous_loader_shows_no_overlap(paced, monkeypatch) -> None:
     (what a loader without a transfer worker does) loads the same bytes and overlaps nothing."""
     engine, pacer = paced
     src, dst, tokens, slots = paged_request(engine.geometry, seed=4)
-    engine.store(tokens, kv_caches=src, slot_mapping=slots)
+    engine.store(KVTransfer(tokens=tokens, kv_caches=src, slot_mapping=slots))
     monkeypatch.setattr(engine.executor, "submit_layer", lambda fn, *args: LoadWhenAsked(fn, args))
     mask = compute_while_loading(engine, pacer, tokens, dst, slots, overlap_wait_s=0.05)
     assert int(mask.sum()) == 5 * CHUNK
@@ -271,7 +271,7 @@ def test_missing_layer_of_one_chunk_shrinks_the_mask_there(tmp_path) -> None:
     g = geometry()
     src, dst, tokens, slots = paged_request(g, seed=6)
     engine = make_engine(g, str(pipeline))
-    engine.store(tokens, kv_caches=src, slot_mapping=slots)
+    engine.store(KVTransfer(tokens=tokens, kv_caches=src, slot_mapping=slots))
     assert engine.lookup(tokens) == 5 * CHUNK
 
     result = engine.retrieve(KVTransfer(tokens=tokens, kv_caches=dst, slot_mapping=slots))
@@ -287,7 +287,7 @@ def test_layerwise_store_keeps_only_chunks_with_every_layer() -> None:
     g = geometry()
     src, _, tokens, slots = paged_request(g, seed=10)
     engine = make_engine(g)
-    handle = engine.store_layerwise(tokens, kv_caches=src, slot_mapping=slots)
+    handle = engine.store_layerwise(KVTransfer(tokens=tokens, kv_caches=src, slot_mapping=slots))
     for layer in range(g.num_layers - 1):  # the last layer never arrives
         handle.layer_ready(layer)
     assert handle.finish() == 0
@@ -300,7 +300,7 @@ def test_aborted_layerwise_store_frees_its_slabs() -> None:
     src, _, tokens, slots = paged_request(g, seed=12)
     engine = make_engine(g)
     free_before = engine.memory.arena.free_slabs
-    handle = engine.store_layerwise(tokens, kv_caches=src, slot_mapping=slots)
+    handle = engine.store_layerwise(KVTransfer(tokens=tokens, kv_caches=src, slot_mapping=slots))
     handle.layer_ready(0)
     handle.abort()
     assert engine.memory.arena.free_slabs == free_before
@@ -332,8 +332,8 @@ def test_layerwise_spans_carry_the_layer_and_waits(tmp_path) -> None:
     g = geometry()
     src, dst, tokens, slots = paged_request(g, seed=14)
     engine = make_engine(g, **{"telemetry.exporter": "file", "telemetry.folder": str(folder)})
-    engine.store(tokens, kv_caches=src, slot_mapping=slots, request_id="req-1")
-    engine.retrieve(tokens, kv_caches=dst, slot_mapping=slots, request_id="req-2")
+    engine.store(KVTransfer(tokens=tokens, kv_caches=src, slot_mapping=slots, request_id="req-1"))
+    engine.retrieve(KVTransfer(tokens=tokens, kv_caches=dst, slot_mapping=slots, request_id="req-2"))
     telemetry.flush()
     [trace_file] = folder.glob("flowkv-*.json")
     spans = load_spans(trace_file)
@@ -356,8 +356,8 @@ def test_layerwise_latencies_cover_only_their_own_call() -> None:
     src, dst, tokens, slots = paged_request(g, seed=17)
     engine = make_engine(g)
     before = time.perf_counter()
-    engine.store(tokens, kv_caches=src, slot_mapping=slots)
-    engine.retrieve(tokens, kv_caches=dst, slot_mapping=slots)
+    engine.store(KVTransfer(tokens=tokens, kv_caches=src, slot_mapping=slots))
+    engine.retrieve(KVTransfer(tokens=tokens, kv_caches=dst, slot_mapping=slots))
     elapsed_ms = (time.perf_counter() - before) * 1e3
     latencies = engine.drain_latencies()
     # Each observation is the call's own span, so it is no longer than both calls together.
@@ -371,10 +371,11 @@ def test_nothing_to_move_runs_no_layer_blocks(tmp_path) -> None:
     g = geometry()
     src, dst, tokens, slots = paged_request(g, seed=20)
     engine = make_engine(g, **{"telemetry.exporter": "file", "telemetry.folder": str(folder)})
-    assert engine.store(tokens, kv_caches=src, slot_mapping=slots) == 5 * CHUNK
-    assert engine.store(tokens, kv_caches=src, slot_mapping=slots) == 0  # every chunk already held
+    store = KVTransfer(tokens=tokens, kv_caches=src, slot_mapping=slots)
+    assert engine.store(store).stored_tokens == 5 * CHUNK
+    assert engine.store(store).stored_tokens == 0  # every chunk already held
     unknown = tokens + 1000
-    assert not engine.retrieve(unknown, kv_caches=dst, slot_mapping=slots).any()
+    assert not engine.retrieve(KVTransfer(tokens=unknown, kv_caches=dst, slot_mapping=slots)).ret_mask.any()
     telemetry.flush()
     [trace_file] = folder.glob("flowkv-*.json")
     names = [s.name for s in load_spans(trace_file)]

@@ -8,7 +8,7 @@ import types
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from flowkv import CacheEngine
+from flowkv import CacheEngine, KVTransfer
 from flowkv.integration.vllm.metrics import FlowKVPromMetrics, FlowKVStats, snapshot
 from flowkv.kernels import KVGeometry
 from flowkv.testing import make_paged_kv, random_slot_mapping
@@ -25,9 +25,9 @@ def run_engine() -> tuple[CacheEngine, dict, dict]:
     tokens = torch.arange(100)
     slots = random_slot_mapping(100, g, 16, seed=2)
     engine.lookup(tokens)  # miss
-    engine.store(tokens, kv_caches=src, slot_mapping=slots)
+    engine.store(KVTransfer(tokens=tokens, kv_caches=src, slot_mapping=slots))
     engine.lookup(tokens, pin=True, lookup_id="a")  # 96 of 100
-    engine.retrieve(tokens, kv_caches=dst, slot_mapping=slots, lookup_id="a")
+    engine.retrieve(KVTransfer(tokens=tokens, kv_caches=dst, slot_mapping=slots, lookup_id="a"))
     return engine, before, snapshot(engine.stats())
 
 

@@ -353,7 +353,7 @@ def test_cpu_disk_int8_serves_exact_kv_from_memory_and_int8_kv_from_disk(tmp_pat
 
     import torch
 
-    from flowkv import CacheEngine, payload
+    from flowkv import CacheEngine, KVTransfer, payload
     from flowkv._testing.paged import make_paged_kv, random_slot_mapping
     from flowkv.codecs import get_codec
     from flowkv.items import Request
@@ -372,21 +372,21 @@ def test_cpu_disk_int8_serves_exact_kv_from_memory_and_int8_kv_from_disk(tmp_pat
         def region(kv_caches):
             return gather(kv_caches, geometry, slots, torch.empty(geometry.chunk_shape(128), dtype=geometry.dtype))
 
-        assert engine.store(tokens, kv_caches=src, slot_mapping=slots) == 128
+        assert engine.store(KVTransfer(tokens=tokens, kv_caches=src, slot_mapping=slots)).stored_tokens == 128
         assert engine.flush(30.0)
         keys = [k.to_str() for k in engine.chunk_keys(Request(tokens=tokens))]
         files = [tmp_path / "disk" / key_digest(k)[:2] / f"{key_digest(k)}.kv" for k in keys]
         assert [payload.read_header(f.read_bytes()).codec for f in files] == ["int8", "int8"]
 
         dst = make_paged_kv(geometry, 32, seed=0, fill=False)
-        assert bool(engine.retrieve(tokens, kv_caches=dst, slot_mapping=slots).all())
+        assert bool(engine.retrieve(KVTransfer(tokens=tokens, kv_caches=dst, slot_mapping=slots)).ret_mask.all())
         assert torch.equal(region(dst).view(torch.int16), region(src).view(torch.int16))  # memory: exact
 
         for key in keys:
             assert engine.memory.remove(key)
         dst = make_paged_kv(geometry, 32, seed=0, fill=False)
         deadline = time.monotonic() + 30
-        while not bool(engine.retrieve(tokens, kv_caches=dst, slot_mapping=slots).all()):
+        while not bool(engine.retrieve(KVTransfer(tokens=tokens, kv_caches=dst, slot_mapping=slots)).ret_mask.all()):
             assert time.monotonic() < deadline, "the disk copy never came back"
         exact, loaded = region(src), region(dst)
         assert not torch.equal(loaded, exact)  # disk: int8, lossy

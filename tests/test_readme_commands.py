@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowkv import CacheEngine, telemetry
+from flowkv import CacheEngine, KVTransfer, telemetry
 from flowkv.cli import main
 from flowkv.kernels import KVGeometry, gather
 from flowkv.testing import make_paged_kv, random_slot_mapping
@@ -259,7 +259,8 @@ def test_the_serve_example_cluster_pipeline_runs_on_a_redis_cluster_and_traces_o
     src = make_paged_kv(g, 64, seed=0)
     slots = random_slot_mapping(len(tokens), g, 64, seed=1)
     try:
-        assert writer.store(tokens, kv_caches=src, slot_mapping=slots, request_id="example-store") == 3 * 256
+        assert writer.store(KVTransfer(tokens=tokens, kv_caches=src, slot_mapping=slots,
+                                       request_id="example-store")).stored_tokens == 3 * 256
         assert writer.flush(30.0)
         assert writer.stats()["tiers"]["redis"]["writes"] == 3
     finally:
@@ -269,7 +270,8 @@ def test_the_serve_example_cluster_pipeline_runs_on_a_redis_cluster_and_traces_o
     dst = make_paged_kv(g, 64, seed=2, fill=False)
     try:
         assert reader.lookup(tokens) == 3 * 256
-        mask = reader.retrieve(tokens, kv_caches=dst, slot_mapping=slots, request_id="example-load")
+        mask = reader.retrieve(KVTransfer(tokens=tokens, kv_caches=dst, slot_mapping=slots,
+                                          request_id="example-load")).ret_mask
         assert bool(mask.all())
         want = gather(src, g, slots, torch.empty(g.chunk_shape(len(slots)), dtype=g.dtype))
         got = gather(dst, g, slots, torch.empty(g.chunk_shape(len(slots)), dtype=g.dtype))
@@ -287,14 +289,15 @@ def test_the_console_exporter_prints_every_stage_span(tmp_path):
     """``[telemetry] exporter = "console"``: one JSON span per stage per run on stdout."""
     script = textwrap.dedent("""
         import torch
-        from flowkv import CacheEngine, telemetry
+        from flowkv import CacheEngine, KVTransfer, telemetry
         from flowkv.kernels import KVGeometry
         from flowkv.testing import make_paged_kv, random_slot_mapping
         g = KVGeometry("cpu", num_layers=2, num_kv_heads=2, head_size=16, block_size=16, dtype=torch.bfloat16)
         engine = CacheEngine.from_pipeline("local-cpu", geometry=g, model_name="tiny", overrides={
             "chunk_size": 32, "tiers.memory.capacity": "4MiB", "telemetry.exporter": "console"})
         slots = random_slot_mapping(64, g, 16, seed=2)
-        engine.store(torch.arange(64), kv_caches=make_paged_kv(g, 16, seed=0), slot_mapping=slots, request_id="r1")
+        engine.store(KVTransfer(tokens=torch.arange(64), kv_caches=make_paged_kv(g, 16, seed=0), slot_mapping=slots,
+                                request_id="r1"))
         telemetry.flush()
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=tmp_path)

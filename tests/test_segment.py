@@ -163,7 +163,8 @@ def test_documents_stored_in_one_order_are_found_and_loaded_in_another(pipeline,
     engine = make(pipeline, tmp_path=tmp_path if pipeline == "blend-disk" else None)
     try:
         # The open question is not stored: the documents are, each whole.
-        assert engine.store(torch.tensor(first), kv_caches=src, slot_mapping=src_slots) == len(first) - len(question)
+        assert engine.store(KVTransfer(tokens=torch.tensor(first), kv_caches=src,
+                                       slot_mapping=src_slots)).stored_tokens == len(first) - len(question)
         if pipeline == "blend-disk":
             assert engine.flush(30.0)
             assert engine.stats()["tiers"]["disk"]["writes"] > 0
@@ -215,8 +216,9 @@ def test_chain_keys_on_segment_boundaries_reuse_a_whole_document(tmp_path) -> No
 
     segmented = make(str(chained))
     fixed = make("local-cpu")
-    assert segmented.store(first, kv_caches=src, slot_mapping=slots) == len(a) + len(b)  # the question is not stored
-    fixed.store(first, kv_caches=src, slot_mapping=slots)
+    stored = segmented.store(KVTransfer(tokens=first, kv_caches=src, slot_mapping=slots)).stored_tokens
+    assert stored == len(a) + len(b)  # the question is not stored
+    fixed.store(KVTransfer(tokens=first, kv_caches=src, slot_mapping=slots))
 
     assert segmented.lookup(second) == len(a)  # all of document A (100 tokens)
     assert fixed.lookup(second) == CHUNK  # fixed chunks: only the first 64
@@ -224,7 +226,7 @@ def test_chain_keys_on_segment_boundaries_reuse_a_whole_document(tmp_path) -> No
     assert segmented.lookup(torch.tensor(c + b)) == 0
 
     dst = make_paged_kv(GEOMETRY, BLOCKS, seed=2, fill=False)
-    mask = segmented.retrieve(second, kv_caches=dst, slot_mapping=slots)
+    mask = segmented.retrieve(KVTransfer(tokens=second, kv_caches=dst, slot_mapping=slots)).ret_mask
     assert int(mask.sum()) == len(a) and bool(mask[: len(a)].all())
     hit = slots[: len(a)]
     assert torch.equal(kv_of(dst, hit), kv_of(src, hit))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flowkv import CacheEngine, telemetry
+from flowkv import CacheEngine, KVTransfer, telemetry
 from flowkv.kernels import KVGeometry
 from flowkv.testing import make_paged_kv, random_slot_mapping
 from otlp_receiver import otlp_grpc_receiver, otlp_http_receiver  # noqa: F401 - fixtures
@@ -31,8 +31,8 @@ def run_workload(endpoint: str, protocol: str) -> None:
     dst = make_paged_kv(g, 16, seed=1, fill=False)
     tokens = torch.arange(100)
     slots = random_slot_mapping(100, g, 16, seed=2)
-    engine.store(tokens, kv_caches=src, slot_mapping=slots, request_id="r-store")
-    engine.retrieve(tokens, kv_caches=dst, slot_mapping=slots, request_id="r-load")
+    engine.store(KVTransfer(tokens=tokens, kv_caches=src, slot_mapping=slots, request_id="r-store"))
+    engine.retrieve(KVTransfer(tokens=tokens, kv_caches=dst, slot_mapping=slots, request_id="r-load"))
     telemetry.flush()
 
 

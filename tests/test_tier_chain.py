@@ -81,10 +81,10 @@ class Workload:
         self.slots = random_slot_mapping(n, GEOMETRY, num_blocks, seed=seed + 200)
 
     def store(self, engine: CacheEngine) -> int:
-        return engine.store(self.tokens, kv_caches=self.src, slot_mapping=self.slots)
+        return engine.store(KVTransfer(tokens=self.tokens, kv_caches=self.src, slot_mapping=self.slots)).stored_tokens
 
     def retrieve(self, engine: CacheEngine, **kwargs: object) -> torch.Tensor:
-        return engine.retrieve(self.tokens, kv_caches=self.dst, slot_mapping=self.slots, **kwargs)
+        return engine.retrieve(self.transfer(**kwargs)).ret_mask
 
     def transfer(self, **kwargs: object) -> KVTransfer:
         """This request's retrieve as a value (``engine.retrieve(it)`` answers a RetrieveResult)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowkv import CacheEngine
+from flowkv import CacheEngine, KVTransfer
 from flowkv.integration.vllm.metrics import snapshot
 from flowkv.kernels import KVGeometry
 from flowkv.tiers import DiskTier, DiskTierConfig, GuardedTier
@@ -194,7 +194,8 @@ def test_the_engine_reports_the_bytes_the_disk_stored(small_fs) -> None:
         kv = make_paged_kv(geometry, 64, seed=1)
         for doc in range(10):  # 80 chunks, 20 MiB
             tokens = torch.randint(0, 32000, (8 * chunk,), generator=torch.Generator().manual_seed(doc))
-            engine.store(tokens, kv_caches=kv, slot_mapping=random_slot_mapping(len(tokens), geometry, 64, seed=doc))
+            engine.store(KVTransfer(tokens=tokens, kv_caches=kv,
+                                    slot_mapping=random_slot_mapping(len(tokens), geometry, 64, seed=doc)))
             assert engine.flush(timeout_s=60.0)
         stats = engine.stats()
         disk = stats["tiers"]["disk"]

@@ -453,7 +453,7 @@ def test_cli_copy_bandwidth_given_measured_or_left_out(layerwise_file, capsys):
 def test_engine_traces_carry_the_probe_and_the_copy_bandwidth(tmp_path):
     import torch
 
-    from flowkv import CacheEngine, telemetry
+    from flowkv import CacheEngine, KVTransfer, telemetry
     from flowkv._testing.paged import make_paged_kv, random_slot_mapping
     from flowkv.kernels import KVGeometry
 
@@ -464,9 +464,9 @@ def test_engine_traces_carry_the_probe_and_the_copy_bandwidth(tmp_path):
     caches = make_paged_kv(g, 8, seed=0)
     slots = random_slot_mapping(128, g, 8, seed=1)
     tokens = torch.arange(128)
-    assert engine.store(tokens, kv_caches=caches, slot_mapping=slots) == 128
-    assert int(engine.retrieve(tokens, kv_caches=make_paged_kv(g, 8, seed=2, fill=False),
-                               slot_mapping=slots).sum()) == 128
+    assert engine.store(KVTransfer(tokens=tokens, kv_caches=caches, slot_mapping=slots)).stored_tokens == 128
+    assert int(engine.retrieve(KVTransfer(tokens=tokens, kv_caches=make_paged_kv(g, 8, seed=2, fill=False),
+                                          slot_mapping=slots)).ret_mask.sum()) == 128
     telemetry.flush()
     engine.close()
     [path] = tmp_path.glob("flowkv-*.json")
