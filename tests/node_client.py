@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 
 from node_servers import chunk_kv, geometry, kv_for, slots_for  # noqa: E402
 
-from flowkv import CacheEngine  # noqa: E402
+from flowkv import CacheEngine, KVTransfer  # noqa: E402
 
 
 def main() -> int:
@@ -46,12 +46,13 @@ def main() -> int:
     slots = slots_for(args.tokens)
     out: dict[str, object] = {}
     if args.action == "store":
-        out["stored"] = engine.store(tokens, kv_caches=kv_for(args.seed), slot_mapping=slots, tags=tags)
+        out["stored"] = engine.store(KVTransfer(tokens=tokens, kv_caches=kv_for(args.seed), slot_mapping=slots,
+                                                tags=tags)).stored_tokens
     elif args.action == "lookup":
         out["hit"] = engine.lookup(tokens, tags=tags, pin=args.pin is not None, lookup_id=args.pin)
     else:
         dst = kv_for(1000 + args.seed)
-        mask = engine.retrieve(tokens, kv_caches=dst, slot_mapping=slots, tags=tags)
+        mask = engine.retrieve(KVTransfer(tokens=tokens, kv_caches=dst, slot_mapping=slots, tags=tags)).ret_mask
         loaded = int(mask.sum())
         out["loaded"] = loaded
         out["same_kv"] = bool(torch.equal(chunk_kv(dst, slots[:loaded]), chunk_kv(kv_for(args.seed), slots[:loaded])))

@@ -22,6 +22,7 @@ import torch
 
 
 from fleet_helpers import ControllerProcess, wait_for  # noqa: E402
+from flowkv import KVTransfer  # noqa: E402
 from flowkv.fleet.holder import EngineHolder  # noqa: E402
 from flowkv.fleet.node import default_server_name  # noqa: E402
 from flowkv.fleet.reporter import ReporterConfig  # noqa: E402
@@ -91,7 +92,8 @@ def test_a_node_servers_chunks_count_for_every_instance_that_reads_through_it(co
 
         # A stores; B stored nothing but reads through the same server: both hold the prefix.
         tokens = ids(0)
-        assert a.store(tokens, kv_caches=kv_for(1), slot_mapping=slots_for(TOKENS)) == TOKENS
+        assert a.store(KVTransfer(tokens=tokens, kv_caches=kv_for(1),
+                                  slot_mapping=slots_for(TOKENS))).stored_tokens == TOKENS
         got = wait_for(lambda: holding(answers(controller, tokens), TOKENS), "both instances hold the prefix")
         for instance_id in ("a", "b"):
             assert got[instance_id]["matched_tokens"] == TOKENS
@@ -112,7 +114,8 @@ def test_a_node_servers_chunks_count_for_every_instance_that_reads_through_it(co
         conn.close()
 
         # kill -9 of the server: what it held is gone, and so is it from lookups.
-        assert b.store(tokens, kv_caches=kv_for(1), slot_mapping=slots_for(TOKENS)) == TOKENS
+        assert b.store(KVTransfer(tokens=tokens, kv_caches=kv_for(1),
+                                  slot_mapping=slots_for(TOKENS))).stored_tokens == TOKENS
         wait_for(lambda: answers(controller, tokens).get("a", {}).get("matched_tokens") == TOKENS,
                  "the prefix B stored counts for A")
         server.kill()
@@ -120,7 +123,8 @@ def test_a_node_servers_chunks_count_for_every_instance_that_reads_through_it(co
         # Restarted on the same socket: the follower reconnects, new stores are seen again.
         server.start()
         other = ids(5000)
-        wait_for(lambda: a.store(other, kv_caches=kv_for(2), slot_mapping=slots_for(TOKENS)) == TOKENS,
+        wait_for(lambda: a.store(KVTransfer(tokens=other, kv_caches=kv_for(2),
+                                            slot_mapping=slots_for(TOKENS))).stored_tokens == TOKENS,
                  "A stores through the restarted server")
         wait_for(lambda: holding(answers(controller, other), TOKENS), "the restarted server's chunks count again")
 

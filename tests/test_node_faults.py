@@ -60,7 +60,8 @@ def test_a_client_killed_mid_store_is_reclaimed_after_the_lease_timeout_and_noth
     plain = node_pipeline(tmp_path, node.socket)
     hold = node_pipeline(tmp_path, node.socket, name="hold", store=HOLD_STORE)
     e = engine(plain)
-    assert e.store(torch.arange(5 * CHUNK), kv_caches=kv_for(1), slot_mapping=slots_for(5 * CHUNK)) == 5 * CHUNK
+    assert e.store(KVTransfer(tokens=torch.arange(5 * CHUNK), kv_caches=kv_for(1),
+                              slot_mapping=slots_for(5 * CHUNK))).stored_tokens == 5 * CHUNK
 
     holding, release = tmp_path / "holding", tmp_path / "never"
     holding.mkdir()
@@ -99,7 +100,8 @@ def test_a_client_killed_mid_store_is_reclaimed_after_the_lease_timeout_and_noth
     assert after["memory"]["used_bytes"] == 5 * CHUNK_BYTES and after["memory"]["entries"] == 5
     assert after["requests"].get("request_errors", 0) == 0
     # The reclaimed rooms hold a store again; this client, idle all along, was never dropped.
-    assert e.store(torch.arange(200000, 200000 + TOKENS), kv_caches=kv_for(2), slot_mapping=slots_for(TOKENS)) == TOKENS
+    assert e.store(KVTransfer(tokens=torch.arange(200000, 200000 + TOKENS), kv_caches=kv_for(2),
+                              slot_mapping=slots_for(TOKENS))).stored_tokens == TOKENS
     assert e.stats()["tiers"]["node"]["connects"] == 1
     e.close()
 
@@ -108,11 +110,12 @@ def test_a_hung_server_costs_one_bounded_call_then_misses_until_it_answers_again
     node = node_servers("hung")
     e = engine(node_pipeline(tmp_path, node.socket, timeout_s=HUNG_CALL_TIMEOUT_S))
     ids, slots = torch.arange(TOKENS), slots_for(TOKENS)
-    assert e.store(ids, kv_caches=kv_for(9), slot_mapping=slots) == TOKENS
+    assert e.store(KVTransfer(tokens=ids, kv_caches=kv_for(9), slot_mapping=slots)).stored_tokens == TOKENS
     os.kill(node.pid, signal.SIGSTOP)
     try:
         assert e.lookup(ids) == 0  # waits timeout_s once, then gives up on the connection
-        assert e.store(torch.arange(1000, 1000 + TOKENS), kv_caches=kv_for(9), slot_mapping=slots) == 0
+        assert e.store(KVTransfer(tokens=torch.arange(1000, 1000 + TOKENS), kv_caches=kv_for(9),
+                                  slot_mapping=slots)).stored_tokens == 0
         tier = e.stats()["tiers"]["node"]
         assert tier["timeouts"] == 1 and tier["failures"] == 1 and tier["skipped"] >= 1
     finally:
@@ -128,7 +131,7 @@ def test_server_killed_and_restarted_clients_miss_at_once_reconnect_remap_and_ne
     node = node_servers("restart")
     e = engine(node_pipeline(tmp_path, node.socket))
     ids, slots = torch.arange(TOKENS), slots_for(TOKENS)
-    assert e.store(ids, kv_caches=kv_for(3), slot_mapping=slots) == TOKENS
+    assert e.store(KVTransfer(tokens=ids, kv_caches=kv_for(3), slot_mapping=slots)).stored_tokens == TOKENS
     assert e.lookup(ids, pin=True, lookup_id="before-kill") == TOKENS
     old_segment = node.fields["segment"]
 
@@ -140,7 +143,7 @@ def test_server_killed_and_restarted_clients_miss_at_once_reconnect_remap_and_ne
     assert result.loaded_tokens == 0
     assert all(torch.equal(a, b) for a, b in zip(dst, untouched))  # nothing read through the old mapping
     assert e.lookup(ids) == 0
-    assert e.store(ids, kv_caches=kv_for(3), slot_mapping=slots) == 0
+    assert e.store(KVTransfer(tokens=ids, kv_caches=kv_for(3), slot_mapping=slots)).stored_tokens == 0
     tier = e.stats()["tiers"]["node"]
     assert tier["failures"] == 1 and tier["healthy"] == 0  # one failed call, then misses without calling
     assert tier["skipped"] >= 1
@@ -148,12 +151,12 @@ def test_server_killed_and_restarted_clients_miss_at_once_reconnect_remap_and_ne
 
     node.start()  # the same socket: a new server, a new arena
     assert [arena_name(path) for path in node.segments()] == [node.fields["segment"]] != [old_segment]
-    stored = wait_for(lambda: e.store(ids, kv_caches=kv_for(4), slot_mapping=slots),
+    stored = wait_for(lambda: e.store(KVTransfer(tokens=ids, kv_caches=kv_for(4), slot_mapping=slots)).stored_tokens,
                       "the client to reconnect after its back-off")
     assert stored == TOKENS
     assert e.lookup(ids) == TOKENS
     dst = kv_for(701)
-    assert int(e.retrieve(ids, kv_caches=dst, slot_mapping=slots).sum()) == TOKENS
+    assert int(e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots)).ret_mask.sum()) == TOKENS
     assert torch.equal(chunk_kv(dst, slots), chunk_kv(kv_for(4), slots))  # the new server's data
     tier = e.stats()["tiers"]["node"]
     assert tier["connects"] == 2 and tier["remaps"] == 1 and tier["healthy"] == 1
@@ -171,13 +174,14 @@ def test_a_server_absent_at_start_costs_misses_until_it_comes(node_servers, tmp_
     e = engine(node_pipeline(tmp_path, node.socket))
     ids, slots = torch.arange(TOKENS), slots_for(TOKENS)
     assert e.lookup(ids) == 0
-    assert e.store(ids, kv_caches=kv_for(5), slot_mapping=slots) == 0
-    assert int(e.retrieve(ids, kv_caches=kv_for(702), slot_mapping=slots).sum()) == 0
+    assert e.store(KVTransfer(tokens=ids, kv_caches=kv_for(5), slot_mapping=slots)).stored_tokens == 0
+    assert int(e.retrieve(KVTransfer(tokens=ids, kv_caches=kv_for(702), slot_mapping=slots)).ret_mask.sum()) == 0
     tier = e.stats()["tiers"]["node"]
     assert tier["connects"] == 0 and tier["healthy"] == 0 and tier["calls"] == 0
     node.start()
     try:
-        assert wait_for(lambda: e.store(ids, kv_caches=kv_for(5), slot_mapping=slots), "a reconnect") == TOKENS
+        assert wait_for(lambda: e.store(KVTransfer(tokens=ids, kv_caches=kv_for(5),
+                                                   slot_mapping=slots)).stored_tokens, "a reconnect") == TOKENS
         assert e.lookup(ids) == TOKENS
         assert e.stats()["tiers"]["node"]["connects"] == 1
     finally:
@@ -193,7 +197,7 @@ def test_a_corrupt_or_short_payload_on_the_servers_disk_is_a_counted_miss(node_s
     path = node_pipeline(tmp_path, node.socket, timeout_s=4.0)
     e = engine(path)
     ids, slots = torch.arange(TOKENS), slots_for(TOKENS)
-    assert e.store(ids, kv_caches=kv_for(6), slot_mapping=slots) == TOKENS
+    assert e.store(KVTransfer(tokens=ids, kv_caches=kv_for(6), slot_mapping=slots)).stored_tokens == TOKENS
     keys = keys_of(e, ids)
     e.close()
     assert node.stop() == 0  # drains the write-behind: all ten on disk

@@ -26,6 +26,7 @@ from node_servers import (  # noqa: F401 - node_servers is a fixture
     wait_for,
 )
 
+from flowkv import KVTransfer
 from flowkv.tiers import node_protocol as wire
 
 TOKENS = 160  # 10 chunks of 1 KiB
@@ -95,10 +96,10 @@ def honest_round_trip(server, tmp_path, first: int) -> None:
     e = engine(node_pipeline(tmp_path, server.socket, name=f"honest-{first}"))
     ids, slots = torch.arange(first, first + TOKENS), slots_for(TOKENS)
     try:
-        assert e.store(ids, kv_caches=kv_for(first), slot_mapping=slots) == TOKENS
+        assert e.store(KVTransfer(tokens=ids, kv_caches=kv_for(first), slot_mapping=slots)).stored_tokens == TOKENS
         assert e.lookup(ids) == TOKENS
         dst = kv_for(first + 1)
-        assert int(e.retrieve(ids, kv_caches=dst, slot_mapping=slots).sum()) == TOKENS
+        assert int(e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots)).ret_mask.sum()) == TOKENS
         assert torch.equal(chunk_kv(dst, slots), chunk_kv(kv_for(first), slots))
     finally:
         e.close()
@@ -209,7 +210,7 @@ def test_an_alloc_that_fails_part_way_keeps_none_of_its_rooms(server):
 def test_pin_owners_are_forgotten_when_released_or_expired_over_10k_lookups(server, tmp_path):
     e = engine(node_pipeline(tmp_path, server.socket, name="owners"))
     ids, slots = torch.arange(30_000, 30_000 + TOKENS), slots_for(TOKENS)
-    assert e.store(ids, kv_caches=kv_for(3), slot_mapping=slots) == TOKENS
+    assert e.store(KVTransfer(tokens=ids, kv_caches=kv_for(3), slot_mapping=slots)).stored_tokens == TOKENS
     keys = [k.to_str() for k in e.keys.of(ids, {}, None)]
     e.close()
     conn = server.connect("owners")

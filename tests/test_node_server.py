@@ -120,13 +120,13 @@ def test_status_command_and_prometheus_metrics(server, pipeline):
 def test_models_and_tags_never_share_an_entry(server, pipeline):
     a, b = engine(pipeline, "model-a"), engine(pipeline, "model-b")
     ids, slots = tokens(9000), slots_for(TOKENS)
-    assert a.store(ids, kv_caches=kv_for(1), slot_mapping=slots) == TOKENS
+    assert a.store(KVTransfer(tokens=ids, kv_caches=kv_for(1), slot_mapping=slots)).stored_tokens == TOKENS
     assert b.lookup(ids) == 0
     assert a.lookup(ids, tags={"tenant": "x"}) == 0
-    assert b.store(ids, kv_caches=kv_for(2), slot_mapping=slots) == TOKENS
+    assert b.store(KVTransfer(tokens=ids, kv_caches=kv_for(2), slot_mapping=slots)).stored_tokens == TOKENS
     assert a.lookup(ids) == b.lookup(ids) == TOKENS
     dst = kv_for(600)
-    assert int(b.retrieve(ids, kv_caches=dst, slot_mapping=slots).sum()) == TOKENS
+    assert int(b.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots)).ret_mask.sum()) == TOKENS
     assert torch.equal(chunk_kv(dst, slots), chunk_kv(kv_for(2), slots))
     a.close()
     b.close()
@@ -141,7 +141,7 @@ def test_lookup_pins_the_prefix_and_a_chunk_gone_before_retrieve_shrinks_the_mas
                                    "decompress", "scatter"])
     e = engine(path)
     ids, slots = tokens(20000), slots_for(TOKENS)
-    assert e.store(ids, kv_caches=kv_for(4), slot_mapping=slots) == TOKENS
+    assert e.store(KVTransfer(tokens=ids, kv_caches=kv_for(4), slot_mapping=slots)).stored_tokens == TOKENS
     pinned_before = server.status()["memory"]["pinned_entries"]
     assert e.lookup(ids, pin=True, lookup_id="req-1") == TOKENS
     assert server.status()["memory"]["pinned_entries"] == pinned_before + 10
@@ -159,7 +159,8 @@ def test_lookup_pins_the_prefix_and_a_chunk_gone_before_retrieve_shrinks_the_mas
 
     # Gone between the retrieve's lookup and its get: the mask ends before it, the rest is a failed range.
     tagged = {EVICT_TAG: "4"}  # a tag is part of the keys: store under it first
-    assert e.store(ids, kv_caches=kv_for(4), slot_mapping=slots, tags=tagged) == TOKENS
+    assert e.store(KVTransfer(tokens=ids, kv_caches=kv_for(4), slot_mapping=slots,
+                              tags=tagged)).stored_tokens == TOKENS
     result = e.retrieve(KVTransfer(tokens=ids, kv_caches=kv_for(605), slot_mapping=slots, tags=tagged))
     assert result.loaded_tokens == 4 * CHUNK and result.failed_range == (4 * CHUNK, TOKENS)
     assert e.stats()["retrieve_missing_chunks"] == 1
@@ -171,13 +172,15 @@ def test_a_full_arena_stops_a_store_at_once_and_keeps_its_prefix(node_servers, t
     path = node_pipeline(tmp_path, small.socket)
     e = engine(path)
     ids, slots = tokens(0, 128), slots_for(128)
-    assert e.store(ids, kv_caches=kv_for(5), slot_mapping=slots) == 128
+    assert e.store(KVTransfer(tokens=ids, kv_caches=kv_for(5), slot_mapping=slots)).stored_tokens == 128
     assert e.lookup(ids, pin=True, lookup_id="hold-all") == 128  # nothing left to evict
-    assert e.store(tokens(3000, 64), kv_caches=kv_for(5), slot_mapping=slots_for(64)) == 0
+    assert e.store(KVTransfer(tokens=tokens(3000, 64), kv_caches=kv_for(5),
+                              slot_mapping=slots_for(64))).stored_tokens == 0
     assert e.stats()["store_backpressure_stops"] == 1
     assert small.status()["requests"]["alloc_shortfalls"] == 1
     e.release("hold-all")
-    assert e.store(tokens(3000, 64), kv_caches=kv_for(5), slot_mapping=slots_for(64)) == 64  # evicts 4
+    assert e.store(KVTransfer(tokens=tokens(3000, 64), kv_caches=kv_for(5),
+                              slot_mapping=slots_for(64))).stored_tokens == 64  # evicts 4
     status = small.status()["memory"]
     assert status["entries"] == 8 and status["evictions"] == 4
     e.close()
@@ -213,7 +216,7 @@ def test_memory_then_server_then_disk_keeps_prefix_contiguity_across_all_three(s
     path = node_pipeline(tmp_path, server.socket, name="mem-node-disk", memory="1MiB", disk=disk)
     ids, slots = tokens(60000), slots_for(TOKENS)
     first = engine(path)
-    assert first.store(ids, kv_caches=kv_for(8), slot_mapping=slots) == TOKENS
+    assert first.store(KVTransfer(tokens=ids, kv_caches=kv_for(8), slot_mapping=slots)).stored_tokens == TOKENS
     assert first.flush(timeout_s=30.0)
     written = first.stats()
     assert written["tier.memory.written_bytes"] == written["tier.node.written_bytes"] == TOKENS * 1024
@@ -223,13 +226,13 @@ def test_memory_then_server_then_disk_keeps_prefix_contiguity_across_all_three(s
 
     # A new process: chunks 0-1 in its memory, 2-3 on the server only, 4-9 on disk only.
     second = engine(path)
-    assert second.store(ids[:32], kv_caches=kv_for(8), slot_mapping=slots[:32]) == 32
+    assert second.store(KVTransfer(tokens=ids[:32], kv_caches=kv_for(8), slot_mapping=slots[:32])).stored_tokens == 32
     conn = server.connect()
     assert conn.call("remove", keys=keys[4:])["removed"] == [True] * 6
     conn.close()
     assert second.lookup(ids) == TOKENS
     dst = kv_for(602)
-    assert int(second.retrieve(ids, kv_caches=dst, slot_mapping=slots).sum()) == TOKENS
+    assert int(second.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots)).ret_mask.sum()) == TOKENS
     assert torch.equal(chunk_kv(dst, slots), chunk_kv(kv_for(8), slots))
     counters = second.stats()
     assert counters["tier.node.read_bytes"] == 2 * CHUNK_BYTES
@@ -267,8 +270,8 @@ def test_server_spans_nest_under_the_client_stage_that_called(node_servers, tmp_
                          sections={"telemetry": {"exporter": "file", "folder": str(client_traces)}})
     e = engine(path)
     ids, slots = tokens(80000), slots_for(TOKENS)
-    assert e.store(ids, kv_caches=kv_for(13), slot_mapping=slots) == TOKENS
-    assert int(e.retrieve(ids, kv_caches=kv_for(604), slot_mapping=slots).sum()) == TOKENS
+    assert e.store(KVTransfer(tokens=ids, kv_caches=kv_for(13), slot_mapping=slots)).stored_tokens == TOKENS
+    assert int(e.retrieve(KVTransfer(tokens=ids, kv_caches=kv_for(604), slot_mapping=slots)).ret_mask.sum()) == TOKENS
     e.close()
     telemetry.flush()
     assert traced.stop() == 0  # the server writes its spans out as it exits
@@ -299,13 +302,14 @@ def test_events_and_snapshot_let_a_controller_follow_the_arena(node_servers, tmp
     assert start["keys"] == [] and start["tier"] == "memory"
     e = engine(node_pipeline(tmp_path, small.socket, name="events"))
     ids = tokens(0, 128)
-    assert e.store(ids, kv_caches=kv_for(14), slot_mapping=slots_for(128)) == 128
+    assert e.store(KVTransfer(tokens=ids, kv_caches=kv_for(14), slot_mapping=slots_for(128))).stored_tokens == 128
     keys = keys_of(e, ids)
     got = conn.call("events", since=start["seq"], wait_s=5.0)
     assert [(kind, tier, key) for _, kind, tier, key in got["events"]] == [("admit", "memory", k) for k in keys]
     assert not got["gap"]
     # Eight more chunks evict the first eight.
-    assert e.store(tokens(500, 128), kv_caches=kv_for(14), slot_mapping=slots_for(128)) == 128
+    assert e.store(KVTransfer(tokens=tokens(500, 128), kv_caches=kv_for(14),
+                              slot_mapping=slots_for(128))).stored_tokens == 128
     later = conn.call("events", since=got["seq"], wait_s=5.0)["events"]
     assert sorted(k for _, kind, _, k in later if kind == "evict") == sorted(keys)
     assert sum(kind == "admit" for _, kind, _, _ in later) == 8
@@ -320,7 +324,8 @@ def test_sigterm_drains_write_behind_and_removes_socket_and_token(node_servers, 
     assert [arena_name(path) for path in node.segments()] == [node.fields["segment"]]
     assert node.fields["segment"].startswith("memfd:flowkv-node-")  # no file anywhere to remove or leave
     e = engine(node_pipeline(tmp_path, node.socket, name="drain"))
-    assert e.store(tokens(0), kv_caches=kv_for(15), slot_mapping=slots_for(TOKENS)) == TOKENS
+    assert e.store(KVTransfer(tokens=tokens(0), kv_caches=kv_for(15),
+                              slot_mapping=slots_for(TOKENS))).stored_tokens == TOKENS
     assert node.stop() == 0
     assert len(list(disk.rglob("*.kv"))) == 10
     assert not node.socket.exists() and not Path(f"{node.socket}.token").exists()
@@ -347,7 +352,7 @@ def test_the_servers_own_stage_list_encodes_for_its_lower_tiers_with_a_span_per_
     assert node.status()["lower"] == {"stages": ["compress", "put"], "queued": 0, "tiers": ["disk"]}
     e = engine(node_pipeline(tmp_path, node.socket, name="own-list"))
     ids, slots, src = tokens(90000), slots_for(TOKENS), kv_for(16)
-    assert e.store(ids, kv_caches=src, slot_mapping=slots) == TOKENS
+    assert e.store(KVTransfer(tokens=ids, kv_caches=src, slot_mapping=slots)).stored_tokens == TOKENS
     assert node.stop() == 0  # drains the writer and the write-behind queue
     files = sorted(disk.rglob("*.kv"))
     assert len(files) == TOKENS // CHUNK
@@ -367,7 +372,7 @@ def test_the_servers_own_stage_list_encodes_for_its_lower_tiers_with_a_span_per_
     try:
         wait_for(lambda: e.lookup(ids) == TOKENS, "the client back on the restarted server, which finds the disk's")
         dst = kv_for(605)
-        assert int(e.retrieve(ids, kv_caches=dst, slot_mapping=slots).sum()) == TOKENS
+        assert int(e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots)).ret_mask.sum()) == TOKENS
         assert torch.equal(chunk_kv(dst, slots), chunk_kv(src, slots))
         assert node.status()["requests"]["promotions"] == TOKENS // CHUNK
     finally:
@@ -396,12 +401,14 @@ def test_a_store_gathers_into_the_mapped_pages_in_one_copy(server, pipeline, mon
     try:
         ids, src = tokens(70000), kv_for(7)
         with _CountRowCopies() as counted:
-            assert e.store(ids, kv_caches=src, slot_mapping=slots_for(TOKENS)) == TOKENS
+            assert e.store(KVTransfer(tokens=ids, kv_caches=src,
+                                      slot_mapping=slots_for(TOKENS))).stored_tokens == TOKENS
         assert counted.calls == 1
         from flowkv.kernels import gather
 
         dst = kv_for(8)
-        assert int(e.retrieve(ids, kv_caches=dst, slot_mapping=slots_for(TOKENS)).sum()) == TOKENS
+        assert int(e.retrieve(KVTransfer(tokens=ids, kv_caches=dst,
+                                         slot_mapping=slots_for(TOKENS))).ret_mask.sum()) == TOKENS
         g, slots = geometry(), slots_for(TOKENS)
         assert torch.equal(gather(dst, g, slots, g.empty_chunk(TOKENS)), gather(src, g, slots, g.empty_chunk(TOKENS)))
     finally:

@@ -39,6 +39,7 @@ from node_servers import (  # noqa: F401 - node_servers is a fixture
     slots_for,
 )
 
+from flowkv import KVTransfer
 from flowkv.tiers import node_protocol as wire
 
 TOKENS = 160
@@ -79,7 +80,8 @@ print(json.dumps(out))
 def stored_by_an_engine(socket: Path, folder: Path, first: int = 0) -> tuple[list[str], torch.Tensor]:
     e = engine(node_pipeline(folder, socket, name=f"writer-{first}"))
     ids = torch.arange(first, first + TOKENS)
-    assert e.store(ids, kv_caches=kv_for(5), slot_mapping=slots_for(TOKENS)) == TOKENS
+    assert e.store(KVTransfer(tokens=ids, kv_caches=kv_for(5),
+                              slot_mapping=slots_for(TOKENS))).stored_tokens == TOKENS
     keys = keys_of(e, ids)
     e.close()
     return keys, ids
@@ -89,7 +91,7 @@ def loads_back(pipeline: Path, ids: torch.Tensor) -> int:
     e = engine(pipeline)
     slots = slots_for(TOKENS)
     dst = kv_for(6)
-    loaded = int(e.retrieve(ids, kv_caches=dst, slot_mapping=slots).sum())
+    loaded = int(e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots)).ret_mask.sum())
     assert torch.equal(chunk_kv(dst, slots[:loaded]), chunk_kv(kv_for(5), slots[:loaded]))
     e.close()
     return loaded
@@ -120,7 +122,8 @@ def test_with_no_socket_named_both_sides_find_the_same_private_one(tmp_path, mon
         assert "socket" not in pipeline.read_text()
         e = engine(pipeline)
         ids = torch.arange(TOKENS)
-        assert e.store(ids, kv_caches=kv_for(5), slot_mapping=slots_for(TOKENS)) == TOKENS
+        assert e.store(KVTransfer(tokens=ids, kv_caches=kv_for(5),
+                                  slot_mapping=slots_for(TOKENS))).stored_tokens == TOKENS
         e.close()
         assert loads_back(pipeline, ids) == TOKENS
         status = subprocess.run([sys.executable, "-m", "flowkv.cli", "server", "status", "--json"],
@@ -145,7 +148,7 @@ def test_a_squatter_of_another_user_hears_nothing_and_the_real_server_says_why_i
         e = engine(node_pipeline(tmp_path, path, name="to-squatter"))
         ids = torch.arange(TOKENS)
         assert e.lookup(ids) == 0
-        assert e.store(ids, kv_caches=kv_for(5), slot_mapping=slots_for(TOKENS)) == 0
+        assert e.store(KVTransfer(tokens=ids, kv_caches=kv_for(5), slot_mapping=slots_for(TOKENS))).stored_tokens == 0
         tier = e.stats()["tiers"]["node"]
         assert tier["connects"] == 0 and tier["calls"] == 0
         e.close()

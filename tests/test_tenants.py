@@ -106,7 +106,7 @@ def test_unnamed_tenants_take_the_default_quota_and_fold_past_the_label_limit():
     try:
         for index in range(20):  # 20 tenants, one document each: the label limit is 16
             ids = torch.randint(0, 32000, (CHUNK_TOKENS * DOC_CHUNKS,), generator=torch.Generator().manual_seed(index))
-            engine.store(ids, kv_caches=kv, slot_mapping=slots, tags={"tenant": f"t{index}"})
+            engine.store(KVTransfer(tokens=ids, kv_caches=kv, slot_mapping=slots, tags={"tenant": f"t{index}"}))
         tenants = engine.storage.stats()["memory"]["tenants"]
         assert sorted(tenants) == sorted(["default", *(f"t{i}" for i in range(16))])
         # 128 KiB is 2 chunks: a document of 4 keeps its first 2 (the store stops at the quota, as at
@@ -133,11 +133,14 @@ def test_a_tenant_at_quota_with_nothing_evictable_stops_at_once_and_others_still
 
     try:
         for seed in range(4):  # 16 chunks of 64 KiB: A is at its quota
-            assert engine.store(doc(seed), kv_caches=kv, slot_mapping=slots, tags={"tenant": "A"}) == tokens
+            assert engine.store(KVTransfer(tokens=doc(seed), kv_caches=kv, slot_mapping=slots,
+                                           tags={"tenant": "A"})).stored_tokens == tokens
             # Pin each document as a lookup would: nothing of A's can be evicted any more.
             assert engine.lookup(doc(seed), pin=True, tags={"tenant": "A"}, lookup_id=f"hold-{seed}") == tokens
-        assert engine.store(doc(99), kv_caches=kv, slot_mapping=slots, tags={"tenant": "A"}) == 0
-        assert engine.store(doc(100), kv_caches=kv, slot_mapping=slots, tags={"tenant": "B"}) == tokens
+        assert engine.store(KVTransfer(tokens=doc(99), kv_caches=kv, slot_mapping=slots,
+                                       tags={"tenant": "A"})).stored_tokens == 0
+        assert engine.store(KVTransfer(tokens=doc(100), kv_caches=kv, slot_mapping=slots,
+                                       tags={"tenant": "B"})).stored_tokens == tokens
         tenants = engine.storage.stats()["memory"]["tenants"]
         assert tenants["A"]["quota_refusals"] == 1 and tenants["A"]["entries"] == 4 * DOC_CHUNKS
         assert tenants["B"]["entries"] == DOC_CHUNKS
@@ -153,7 +156,7 @@ def test_a_promoted_chunk_is_the_readers():
     slots = random_slot_mapping(CHUNK_TOKENS, geometry, 64, seed=2)
     ids = torch.arange(CHUNK_TOKENS)
     try:
-        engine.store(ids, kv_caches=kv, slot_mapping=slots, tags={"tenant": "B"})
+        engine.store(KVTransfer(tokens=ids, kv_caches=kv, slot_mapping=slots, tags={"tenant": "B"}))
         mask = engine.retrieve(KVTransfer(tokens=ids, kv_caches=make_paged_kv(geometry, 64, seed=3),
                                           slot_mapping=slots, tags={"tenant": "B"})).ret_mask
         assert int(mask.sum()) == CHUNK_TOKENS
@@ -289,8 +292,8 @@ def test_a_node_server_writes_each_tenant_to_its_disk(node_servers, tmp_path):  
     kv = make_paged_kv(geometry, 64, seed=1)
     slots = random_slot_mapping(CHUNK_TOKENS * DOC_CHUNKS, geometry, 64, seed=2)
     try:
-        engine.store(torch.arange(CHUNK_TOKENS * DOC_CHUNKS), kv_caches=kv, slot_mapping=slots,
-                     tags={"tenant": "B"})
+        engine.store(KVTransfer(tokens=torch.arange(CHUNK_TOKENS * DOC_CHUNKS), kv_caches=kv, slot_mapping=slots,
+                                tags={"tenant": "B"}))
     finally:
         engine.close()
     server.stop()  # drains the lower queue and flushes the disk's writes
@@ -358,8 +361,9 @@ def test_the_controller_sums_each_tenant_over_the_fleet(node_servers, tmp_path):
     reporting = holder(controller, local, "local")
     try:
         geometry = flood_geometry()
-        local.store(torch.arange(CHUNK_TOKENS * 2), kv_caches=make_paged_kv(geometry, 64, seed=1),
-                    slot_mapping=random_slot_mapping(CHUNK_TOKENS * 2, geometry, 64, seed=2), tags={"tenant": "B"})
+        local.store(KVTransfer(tokens=torch.arange(CHUNK_TOKENS * 2), kv_caches=make_paged_kv(geometry, 64, seed=1),
+                               slot_mapping=random_slot_mapping(CHUNK_TOKENS * 2, geometry, 64, seed=2),
+                               tags={"tenant": "B"}))
         expected_b = B_DOCS * DOC_CHUNKS + 2
         fleet = wait_for(lambda: (lambda t: t if t.get("B", {}).get("entries") == expected_b else None)(
             controller.get("/tenants")), "both holders' tenant numbers reach the controller")

@@ -20,7 +20,7 @@ import xxhash
 from node_servers import CHUNK, chunk_kv, engine, keys_of, kv_for, slots_for
 from redis_servers import RedisServer, redis_server  # noqa: F401 - redis_server is a fixture
 
-from flowkv import payload
+from flowkv import KVTransfer, payload
 from flowkv.pipeline import dumps_pipeline
 from flowkv.tiers import DiskTier, DiskTierConfig, GuardedTier, RedisTier, RedisTierConfig
 from flowkv.tiers.disk import key_digest
@@ -47,7 +47,8 @@ def stored(path: Path) -> tuple[list[str], torch.Tensor]:
     """Ten chunks stored through an engine and written behind to its lower tier; their keys."""
     e = engine(path)
     ids = torch.arange(TOKENS)
-    assert e.store(ids, kv_caches=kv_for(11), slot_mapping=slots_for(TOKENS)) == TOKENS
+    assert e.store(KVTransfer(tokens=ids, kv_caches=kv_for(11),
+                              slot_mapping=slots_for(TOKENS))).stored_tokens == TOKENS
     keys = keys_of(e, ids)
     assert e.storage.flush(timeout_s=60.0)
     e.close()
@@ -59,7 +60,7 @@ def retrieved(path: Path, ids: torch.Tensor) -> tuple[int, dict]:
     e = engine(path)
     slots = slots_for(TOKENS)
     dst = kv_for(12)
-    loaded = int(e.retrieve(ids, kv_caches=dst, slot_mapping=slots).sum())
+    loaded = int(e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots)).ret_mask.sum())
     assert torch.equal(chunk_kv(dst, slots[:loaded]), chunk_kv(kv_for(11), slots[:loaded]))
     stats = e.stats()
     stats["health"] = {name: state.value for name, state in e.storage.health().items()}
