@@ -160,7 +160,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Every figure of the benchmark, as a flat dict."""
     from tqdm import tqdm
 
-    from flowkv import CacheEngine
+    from flowkv import CacheEngine, KVTransfer
     from flowkv.kernels import KVGeometry
     from flowkv.keys import HASH_FUNCTIONS
     from flowkv.pipeline import load_pipeline
@@ -221,7 +221,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     store_times: list[float] = []
     fused_store_times: list[float] = []
     for attempt in range(reps + 1):
-        for runs, step in ((store_times, lambda t: engine.store(t, kv_caches=src, slot_mapping=slots)),
+        for runs, step in ((store_times, lambda t: engine.store(KVTransfer(tokens=t, kv_caches=src,
+                                                                           slot_mapping=slots)).stored_tokens),
                            (fused_store_times, lambda t: fused.store(t, src, slots))):
             engine.memory.clear()
             fresh = fresh_tokens()
@@ -235,7 +236,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     fused_retrieve_times: list[float] = []
     for attempt in range(reps + 1):
         for runs, step in ((retrieve_times,
-                            lambda: int(engine.retrieve(fresh, kv_caches=dst, slot_mapping=slots).sum())),
+                            lambda: int(engine.retrieve(KVTransfer(tokens=fresh, kv_caches=dst,
+                                                                   slot_mapping=slots)).ret_mask.sum())),
                            (fused_retrieve_times, lambda: fused.retrieve(fresh, dst, slots))):
             start = time.perf_counter()
             expect_tokens(step(), n, "retrieve")
@@ -259,7 +261,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     fresh_state = fresh.memory.arena.prefault_state
                 tokens = fresh_tokens()
                 start = time.perf_counter()
-                expect_tokens(fresh.store(tokens, kv_caches=src, slot_mapping=slots), n, "fresh-arena store")
+                expect_tokens(fresh.store(KVTransfer(tokens=tokens, kv_caches=src,
+                                                     slot_mapping=slots)).stored_tokens, n, "fresh-arena store")
                 runs.append(time.perf_counter() - start)
             finally:
                 fresh.close()
@@ -287,9 +290,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                        overrides={"tiers.memory.capacity": "64MiB",
                                                   "tiers.memory.pin_memory": False})
     small_blocks = _LOOKUP_TOKENS // _BLOCK_SIZE
-    expect_tokens(looker.store(hash_tokens, kv_caches=make_paged_kv(small, small_blocks, seed=4),
-                         slot_mapping=random_slot_mapping(_LOOKUP_TOKENS, small, small_blocks, seed=5)),
-            _LOOKUP_TOKENS // chunk * chunk, "lookup set-up store")
+    set_up = KVTransfer(tokens=hash_tokens, kv_caches=make_paged_kv(small, small_blocks, seed=4),
+                        slot_mapping=random_slot_mapping(_LOOKUP_TOKENS, small, small_blocks, seed=5))
+    expect_tokens(looker.store(set_up).stored_tokens, _LOOKUP_TOKENS // chunk * chunk, "lookup set-up store")
     hit = _LOOKUP_TOKENS // chunk * chunk
     # The engine remembers the keys of recent token lists (lookup, then retrieve,
     # hash once); forgetting them before each call times a first lookup.

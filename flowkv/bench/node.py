@@ -66,7 +66,7 @@ def measure_engine(args: argparse.Namespace, *, shape: tuple[int, int, int, int]
                    lookup_tokens: int) -> dict[str, Any]:
     """The figures of ``bench engine --via server``: ``shape`` is ``bench engine``'s (layers, KV heads,
     head size, block size), ``lookup_tokens`` its lookup prompt's length."""
-    from flowkv import CacheEngine
+    from flowkv import CacheEngine, KVTransfer
     from flowkv._testing.paged import make_paged_kv, random_slot_mapping
     from flowkv.kernels import KVGeometry
     from flowkv.pipeline import load_pipeline
@@ -116,14 +116,16 @@ def measure_engine(args: argparse.Namespace, *, shape: tuple[int, int, int, int]
                     engine.memory.clear()
                 tokens = torch.randint(0, 128_000, (n,), generator=generator)
                 start = time.perf_counter()
-                expect_tokens(engine.store(tokens, kv_caches=src, slot_mapping=slots), n, f"{name} store")
+                expect_tokens(engine.store(KVTransfer(tokens=tokens, kv_caches=src,
+                                                      slot_mapping=slots)).stored_tokens, n, f"{name} store")
                 if attempt:  # the first store into fresh pages pays first-touch faults
                     times[name]["store"].append(time.perf_counter() - start)
                 last[name] = tokens
         for attempt in range(reps + 1):
             for name, engine in engines.items():
                 start = time.perf_counter()
-                loaded = int(engine.retrieve(last[name], kv_caches=dst, slot_mapping=slots).sum())
+                loaded = int(engine.retrieve(KVTransfer(tokens=last[name], kv_caches=dst,
+                                                        slot_mapping=slots)).ret_mask.sum())
                 expect_tokens(loaded, n, f"{name} retrieve")
                 if attempt:
                     times[name]["retrieve"].append(time.perf_counter() - start)
@@ -139,7 +141,8 @@ def measure_engine(args: argparse.Namespace, *, shape: tuple[int, int, int, int]
                 ("server", "node", {"tiers.node.socket": str(socket), "tiers.node.timeout_s": 30.0})):
             looker = CacheEngine.from_pipeline(pipeline, geometry=small, model_name="bench-lookup", overrides=overrides)
             hit = lookup_tokens // chunk * chunk
-            expect_tokens(looker.store(hash_tokens, kv_caches=small_kv, slot_mapping=small_slots), hit, "lookup set-up")
+            expect_tokens(looker.store(KVTransfer(tokens=hash_tokens, kv_caches=small_kv,
+                                                  slot_mapping=small_slots)).stored_tokens, hit, "lookup set-up")
             runs = []
             for attempt in range(reps + 1):
                 start = time.perf_counter()

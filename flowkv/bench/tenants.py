@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from flowkv import KVTransfer
+
 __all__ = ["DOC_CHUNKS", "CHUNK_TOKENS", "flood", "flood_geometry", "run"]
 
 #: tokens per chunk, and chunks per document, of the flood
@@ -61,16 +63,19 @@ def flood(engine: Any, tenant_stats: Callable[[], dict[str, dict[str, int]]], *,
         return {tenant_key: tenant}
 
     for index in range(b_docs):
-        engine.store(document("B", index), kv_caches=kv_caches, slot_mapping=slots, tags=tags("B"))
+        engine.store(KVTransfer(tokens=document("B", index), kv_caches=kv_caches, slot_mapping=slots,
+                                tags=tags("B")))
     a_most = 0
     for index in range(a_docs):
-        engine.store(document("A", index), kv_caches=kv_caches, slot_mapping=slots, tags=tags("A"))
+        engine.store(KVTransfer(tokens=document("A", index), kv_caches=kv_caches, slot_mapping=slots,
+                                tags=tags("A")))
         a_most = max(a_most, tenant_stats().get("A", {}).get("bytes", 0))
     before = tenant_stats()
     b_hit_tokens = 0
     scratch = make_paged_kv(geometry, _BLOCKS, seed=3)
     for index in range(b_docs):
-        mask = engine.retrieve(document("B", index), kv_caches=scratch, slot_mapping=slots, tags=tags("B"))
+        mask = engine.retrieve(KVTransfer(tokens=document("B", index), kv_caches=scratch, slot_mapping=slots,
+                                          tags=tags("B"))).ret_mask
         b_hit_tokens += int(mask.sum())
     after = tenant_stats()
     return {

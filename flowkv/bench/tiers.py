@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from flowkv import KVTransfer
 from flowkv.bench import best_seconds, expect_tokens
 from flowkv.pipeline import dumps_pipeline
 
@@ -171,7 +172,8 @@ def _engine_figures(engine_for: Callable[[], Any], request: _Request, repeats: i
 
     def put() -> None:
         engine = state["engine"]
-        expect_tokens(engine.store(request.tokens, kv_caches=request.src, slot_mapping=request.slots), n, "store")
+        expect_tokens(engine.store(KVTransfer(tokens=request.tokens, kv_caches=request.src,
+                                              slot_mapping=request.slots)).stored_tokens, n, "store")
         if slow is not None:
             if not engine.flush(_TIER_TIMEOUT_S):
                 raise RuntimeError(f"tier {slow} did not finish its writes in {_TIER_TIMEOUT_S} s")
@@ -187,7 +189,8 @@ def _engine_figures(engine_for: Callable[[], Any], request: _Request, repeats: i
 
     def get() -> None:
         engine = state["engine"]
-        mask = engine.retrieve(request.tokens, kv_caches=request.dst, slot_mapping=request.slots)
+        mask = engine.retrieve(KVTransfer(tokens=request.tokens, kv_caches=request.dst,
+                                          slot_mapping=request.slots)).ret_mask
         expect_tokens(int(mask.sum()), n, "retrieve")
 
     lookups: list[float] = []

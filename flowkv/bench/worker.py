@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from flowkv import KVTransfer
 from flowkv.bench import expect_tokens
 from flowkv.kernels import torch_kv
 
@@ -131,9 +132,10 @@ def measure_worker(args: argparse.Namespace, *, engine: Any, src: list[torch.Ten
         engine.memory.clear()
         tokens = fresh_tokens()
         into["store"].append(_timed(lambda: expect_tokens(
-            engine.store(tokens, kv_caches=src, slot_mapping=slots), n, "store")))
+            engine.store(KVTransfer(tokens=tokens, kv_caches=src, slot_mapping=slots)).stored_tokens, n, "store")))
         into["retrieve"].append(_timed(lambda: expect_tokens(
-            int(engine.retrieve(tokens, kv_caches=dst, slot_mapping=slots).sum()), n, "retrieve")))
+            int(engine.retrieve(KVTransfer(tokens=tokens, kv_caches=dst,
+                                           slot_mapping=slots)).ret_mask.sum()), n, "retrieve")))
 
     def run(condition: str, record: bool) -> None:
         into = times[condition] if record else {"store": [], "retrieve": [], "copy": []}
