@@ -13,19 +13,16 @@ A façade over three parts, each in its own module::
                   +-- StorageManager  (flowkv.tiers.manager)  the ordered tiers, memory included
                   +-- Executor        (flowkv.executor)     runners, layerwise segments, accounting
 
-Stages see the first two (and the counters) as ``ctx.services``. The
-keyword forms ``store(tokens, kv_caches=..., slot_mapping=...)`` and
-``retrieve(...)`` answer the stored token count and the ret_mask, as they
-always did; given a ``KVTransfer`` they answer the result object.
+Stages see the first two (and the counters) as ``ctx.services``. A store
+or retrieve takes one ``KVTransfer`` (``flowkv.calls``), the layerwise
+forms too, and answers a result object of its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, overload
-
-import torch
+from typing import Any
 
 from flowkv import telemetry
 from flowkv.accounting import Accounting
@@ -161,61 +158,43 @@ class CacheEngine:
                                     chunk_hashes=chunk_hashes, num_tokens=num_tokens, counted=counted,
                                     prefetch=prefetch, count=count)
 
-    @overload
-    def store(self, transfer: KVTransfer, /) -> StoreResult: ...
-    @overload
-    def store(self, tokens: Any = None, /, **transfer: Any) -> int: ...
+    def store(self, transfer: KVTransfer, /) -> StoreResult:
+        """Store the KV of the transfer's tokens (read from its ``kv_caches`` at ``slot_mapping``).
 
-    def store(self, tokens: Any = None, /, **transfer: Any) -> StoreResult | int:
-        """Store the KV of the tokens (read from ``kv_caches`` at ``slot_mapping``).
-
-        Chunks under ``mask`` (True = already stored) and chunks already held
-        are skipped; when memory runs out the run stops, keeping the prefix it
-        stored. ``store(KVTransfer)`` answers a ``StoreResult``; the keyword
-        form (``tokens, *, kv_caches, slot_mapping, mask, tags, request_id``)
-        the tokens stored.
+        Chunks under its ``mask`` (True = already stored) and chunks already
+        held are skipped; when memory runs out the run stops, keeping the
+        prefix it stored (``stored_tokens``).
         """
-        result = self.executor.store(_transfer(tokens, transfer))
-        return result if isinstance(tokens, KVTransfer) else result.stored_tokens
+        return self.executor.store(_checked(transfer, "store"))
 
-    @overload
-    def retrieve(self, transfer: KVTransfer, /) -> RetrieveResult: ...
-    @overload
-    def retrieve(self, tokens: Any = None, /, **transfer: Any) -> torch.Tensor: ...
+    def retrieve(self, transfer: KVTransfer, /) -> RetrieveResult:
+        """Load what the tiers hold of the transfer's tokens into its ``kv_caches``.
 
-    def retrieve(self, tokens: Any = None, /, **transfer: Any) -> RetrieveResult | torch.Tensor:
-        """Load what the tiers hold of the tokens into ``kv_caches``.
-
-        The mask is the longest good prefix: a chunk gone since lookup ends it,
-        and the result's ``failed_range`` then says which tokens were promised
-        but not loaded. Pins of ``lookup_id`` are released. ``retrieve(KVTransfer)``
-        answers a ``RetrieveResult``; the keyword form (``tokens, *, kv_caches,
-        slot_mapping, mask, tags, lookup_id, request_id``) the ret_mask.
+        The ``ret_mask`` is the longest good prefix: a chunk gone since lookup
+        ends it, and ``failed_range`` then says which tokens were promised but
+        not loaded. Pins of the transfer's ``lookup_id`` are released.
         """
-        result = self.executor.retrieve(_transfer(tokens, transfer))
-        return result if isinstance(tokens, KVTransfer) else result.ret_mask
+        return self.executor.retrieve(_checked(transfer, "retrieve"))
 
-    def retrieve_layerwise(self, tokens: Any = None, /, **transfer: Any) -> LayerwiseRetrieve:
+    def retrieve_layerwise(self, transfer: KVTransfer, /) -> LayerwiseRetrieve:
         """Start a retrieve whose layers land one by one, overlapping the model's compute.
 
-        Takes a ``KVTransfer`` or the keywords of ``retrieve``. The head of the
-        retrieve list (find and read the chunks) runs now; each layer's block
-        (scatter) is queued on the transfer worker (a side CUDA stream on GPU).
-        Call ``wait(layer)`` before the model reads a layer's KV and ``finish()``
-        for the mask (``.result`` then holds the ``RetrieveResult``): a chunk
-        counts only when all its layers landed.
+        The head of the retrieve list (find and read the chunks) runs now; each
+        layer's block (scatter) is queued on the transfer worker (a side CUDA
+        stream on GPU). Call ``wait(layer)`` before the model reads a layer's KV
+        and ``finish()`` for the mask (``.result`` then holds the
+        ``RetrieveResult``): a chunk counts only when all its layers landed.
         """
-        return self.executor.start_retrieve(_transfer(tokens, transfer))
+        return self.executor.start_retrieve(_checked(transfer, "retrieve_layerwise"))
 
-    def store_layerwise(self, tokens: Any = None, /, **transfer: Any) -> LayerwiseStore:
+    def store_layerwise(self, transfer: KVTransfer, /) -> LayerwiseStore:
         """Start a store that copies each layer out as soon as the model computed it.
 
-        Takes a ``KVTransfer`` or the keywords of ``store``. Call
-        ``layer_ready(layer)`` after each layer's attention and ``finish()`` at
-        the end (stored tokens; ``.result`` the ``StoreResult``); ``abort()``
+        Call ``layer_ready(layer)`` after each layer's attention and ``finish()``
+        at the end (stored tokens; ``.result`` the ``StoreResult``); ``abort()``
         drops a store that will not finish.
         """
-        return self.executor.start_store(_transfer(tokens, transfer))
+        return self.executor.start_store(_checked(transfer, "store_layerwise"))
 
     def held_tokens(self, chunk_hashes: Sequence[bytes], num_tokens: int, *,
                     tags: Mapping[str, str] | None = None) -> int:
@@ -299,12 +278,9 @@ class CacheEngine:
                             num_tokens=request.num_tokens)
 
 
-def _transfer(tokens: Any, keywords: dict[str, Any]) -> KVTransfer:
-    """A call's ``KVTransfer``: given as is, or made from the keyword form."""
-    if isinstance(tokens, KVTransfer):
-        if keywords:
-            raise TypeError(f"a KVTransfer carries the call's arguments; got {sorted(keywords)} too")
-        return tokens
-    if tokens is not None:
-        keywords = {**keywords, "tokens": tokens}
-    return KVTransfer(**keywords)
+def _checked(transfer: Any, call: str) -> KVTransfer:
+    """The call's ``KVTransfer``; anything else is a caller's mistake, said at once."""
+    if not isinstance(transfer, KVTransfer):
+        raise TypeError(f"CacheEngine.{call} takes one KVTransfer(tokens=..., kv_caches=..., slot_mapping=...), "
+                        f"not {type(transfer).__name__}")
+    return transfer

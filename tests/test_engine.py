@@ -100,7 +100,7 @@ def test_round_trip_is_bitwise_for_every_layout_with_a_partial_last_chunk(layout
     ids = tokens()
     slots = random_slot_mapping(NUM_TOKENS, g, NUM_BLOCKS, seed=3)
 
-    assert e.store(ids, kv_caches=src, slot_mapping=slots) == NUM_TOKENS
+    assert e.store(KVTransfer(tokens=ids, kv_caches=src, slot_mapping=slots)).stored_tokens == NUM_TOKENS
     assert e.lookup(ids) == NUM_TOKENS
     result = e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots))
     ret_mask = result.ret_mask
@@ -124,11 +124,11 @@ def test_masked_prefix_is_neither_stored_nor_loaded(layout):
     mask[: 2 * CHUNK] = True
 
     # Chunks 2 and 3; the partial chunk is not saved by default.
-    assert e.store(ids, kv_caches=src, slot_mapping=slots, mask=mask) == 2 * CHUNK
+    assert e.store(KVTransfer(tokens=ids, kv_caches=src, slot_mapping=slots, mask=mask)).stored_tokens == 2 * CHUNK
     # Chunk 0 is missing, so lookup (contiguous from chunk 0) serves nothing.
     assert e.lookup(ids) == 0
 
-    ret_mask = e.retrieve(ids, kv_caches=dst, slot_mapping=slots, mask=mask)
+    ret_mask = e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots, mask=mask)).ret_mask
     expected = torch.zeros(NUM_TOKENS, dtype=torch.bool)
     expected[2 * CHUNK : 4 * CHUNK] = True
     assert torch.equal(ret_mask, expected)
@@ -144,10 +144,10 @@ def test_lz4_pipeline_round_trip_is_bitwise(compressible):
     ids = tokens()
     slots = random_slot_mapping(NUM_TOKENS, g, NUM_BLOCKS, seed=7)
 
-    assert e.store(ids, kv_caches=src, slot_mapping=slots) == NUM_TOKENS
+    assert e.store(KVTransfer(tokens=ids, kv_caches=src, slot_mapping=slots)).stored_tokens == NUM_TOKENS
     # Random bits do not shrink under lz4: such chunks stay raw rather than grow.
     assert len(encoded_entries(e)) == (5 if compressible else 0)
-    ret_mask = e.retrieve(ids, kv_caches=dst, slot_mapping=slots)
+    ret_mask = e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots)).ret_mask
     assert ret_mask.all()
     assert_loaded_exactly(src, dst, g, slots, ret_mask)
 
@@ -161,8 +161,9 @@ def test_layer_tensors_in_a_mapping_round_trip_like_a_list():
     ids = tokens()
     slots = random_slot_mapping(NUM_TOKENS, g, NUM_BLOCKS, seed=10)
     named = {f"model.layers.{i}.self_attn": t for i, t in enumerate(src)}
-    assert e.store(ids, kv_caches=named, slot_mapping=slots) == 4 * CHUNK
-    ret_mask = e.retrieve(ids, kv_caches={f"l{i}": t for i, t in enumerate(dst)}, slot_mapping=slots)
+    assert e.store(KVTransfer(tokens=ids, kv_caches=named, slot_mapping=slots)).stored_tokens == 4 * CHUNK
+    by_name = {f"l{i}": t for i, t in enumerate(dst)}
+    ret_mask = e.retrieve(KVTransfer(tokens=ids, kv_caches=by_name, slot_mapping=slots)).ret_mask
     assert int(ret_mask.sum()) == 4 * CHUNK
     assert_loaded_exactly(src, dst, g, slots, ret_mask)
 
@@ -176,7 +177,7 @@ def test_lookup_counts_only_the_contiguous_hit_from_chunk_0_and_reads_no_payload
     src = make_paged_kv(g, NUM_BLOCKS, seed=1)
     ids = tokens()
     slots = random_slot_mapping(NUM_TOKENS, g, NUM_BLOCKS, seed=2)
-    e.store(ids, kv_caches=src, slot_mapping=slots)
+    e.store(KVTransfer(tokens=ids, kv_caches=src, slot_mapping=slots))
     reads = e.stats()["tiers"]["memory"]["hits"]
 
     assert e.lookup(ids) == 4 * CHUNK  # the partial chunk was not saved
@@ -194,7 +195,7 @@ def test_lookup_counts_only_the_contiguous_hit_from_chunk_0_and_reads_no_payload
     other = tokens(seed=11)
     mask = torch.zeros(NUM_TOKENS, dtype=torch.bool)
     mask[:CHUNK] = True
-    assert e.store(other, kv_caches=src, slot_mapping=slots, mask=mask) == 3 * CHUNK
+    assert e.store(KVTransfer(tokens=other, kv_caches=src, slot_mapping=slots, mask=mask)).stored_tokens == 3 * CHUNK
     assert e.lookup(other) == 0
 
 
@@ -204,11 +205,11 @@ def test_store_skips_chunks_already_present():
     src = make_paged_kv(g, NUM_BLOCKS, seed=1)
     ids = tokens()
     slots = random_slot_mapping(NUM_TOKENS, g, NUM_BLOCKS, seed=2)
-    assert e.store(ids[: 2 * CHUNK], kv_caches=src, slot_mapping=slots) == 2 * CHUNK
+    assert e.store(KVTransfer(tokens=ids[: 2 * CHUNK], kv_caches=src, slot_mapping=slots)).stored_tokens == 2 * CHUNK
     entries = e.stats()["tiers"]["memory"]["entries"]
     # The longer prompt shares the first two chunks: only the other two are new.
-    assert e.store(ids, kv_caches=src, slot_mapping=slots) == 2 * CHUNK
-    assert e.store(ids, kv_caches=src, slot_mapping=slots) == 0
+    assert e.store(KVTransfer(tokens=ids, kv_caches=src, slot_mapping=slots)).stored_tokens == 2 * CHUNK
+    assert e.store(KVTransfer(tokens=ids, kv_caches=src, slot_mapping=slots)).stored_tokens == 0
     assert e.stats()["tiers"]["memory"]["entries"] == entries + 2
     assert e.stats()["stored_tokens"] == 4 * CHUNK
 
@@ -223,10 +224,10 @@ def test_save_partial_chunks(save_partial):
     slots = random_slot_mapping(NUM_TOKENS, g, NUM_BLOCKS, seed=3)
     served = NUM_TOKENS if save_partial else 4 * CHUNK
 
-    assert e.store(ids, kv_caches=src, slot_mapping=slots) == served
+    assert e.store(KVTransfer(tokens=ids, kv_caches=src, slot_mapping=slots)).stored_tokens == served
     assert e.stats()["tiers"]["memory"]["entries"] == (5 if save_partial else 4)
     assert e.lookup(ids) == served
-    ret_mask = e.retrieve(ids, kv_caches=dst, slot_mapping=slots)
+    ret_mask = e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots)).ret_mask
     assert int(ret_mask.sum()) == served and ret_mask[:served].all()
     assert_loaded_exactly(src, dst, g, slots, ret_mask)
     # A partial chunk is keyed by its own tokens: a longer prompt does not reuse it.
@@ -240,11 +241,11 @@ def test_retrieve_with_a_mask_loads_only_after_the_masked_prefix():
     dst = make_paged_kv(g, NUM_BLOCKS, seed=2, fill=False)
     ids = tokens()
     slots = random_slot_mapping(NUM_TOKENS, g, NUM_BLOCKS, seed=3)
-    e.store(ids, kv_caches=src, slot_mapping=slots)
+    e.store(KVTransfer(tokens=ids, kv_caches=src, slot_mapping=slots))
     mask = torch.zeros(NUM_TOKENS, dtype=torch.bool)
     mask[:CHUNK] = True
 
-    ret_mask = e.retrieve(ids, kv_caches=dst, slot_mapping=slots, mask=mask)
+    ret_mask = e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots, mask=mask)).ret_mask
     expected = torch.zeros(NUM_TOKENS, dtype=torch.bool)
     expected[CHUNK : 4 * CHUNK] = True
     assert torch.equal(ret_mask, expected)
@@ -259,7 +260,7 @@ def request_kv(g: KVGeometry) -> tuple[list[torch.Tensor], list[torch.Tensor], t
     return src, dst, tokens(), random_slot_mapping(NUM_TOKENS, g, NUM_BLOCKS, seed=3)
 
 
-def test_a_transfer_value_answers_result_objects_and_the_keywords_what_they_always_did():
+def test_a_transfer_value_is_the_one_way_in_and_answers_result_objects():
     g = geometry()
     e = engine()
     src, dst, ids, slots = request_kv(g)
@@ -268,7 +269,7 @@ def test_a_transfer_value_answers_result_objects_and_the_keywords_what_they_alwa
 
     stored = e.store(KVTransfer(tokens=ids, kv_caches=src, slot_mapping=slots))
     assert stored == flowkv.StoreResult(4 * CHUNK)
-    assert e.store(ids, kv_caches=src, slot_mapping=slots) == 0  # keyword form: an int, as before
+    assert e.store(KVTransfer(tokens=ids, kv_caches=src, slot_mapping=slots)) == flowkv.StoreResult(0)  # held
     result = e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots, mask=mask))
     assert isinstance(result, flowkv.RetrieveResult)
     assert result.loaded_tokens == 3 * CHUNK and result.loaded_to == 4 * CHUNK and result.failed_range is None
@@ -276,17 +277,23 @@ def test_a_transfer_value_answers_result_objects_and_the_keywords_what_they_alwa
     assert result.loaded_within(CHUNK + 5, NUM_TOKENS) == 4 * CHUNK
     assert result.loaded_within(CHUNK + 5, 2 * CHUNK) == 2 * CHUNK
     assert result.loaded_within(4 * CHUNK + 10, NUM_TOKENS) == 4 * CHUNK + 10
-    keyword_mask = e.retrieve(tokens=ids, kv_caches=dst, slot_mapping=slots, mask=mask)
-    assert torch.equal(keyword_mask, result.ret_mask)
-    with pytest.raises(TypeError, match="KVTransfer carries"):
-        e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots), mask=mask)
+    # The tokens alone, the old keyword form, or a transfer with keywords beside it: a caller's mistake.
+    runs = (e.stats()["stores"], e.stats()["retrieves"])
+    for call in (e.store, e.retrieve, e.store_layerwise, e.retrieve_layerwise):
+        with pytest.raises(TypeError, match=f"CacheEngine.{call.__name__} takes one KVTransfer"):
+            call(ids)
+        with pytest.raises(TypeError, match="unexpected keyword argument 'kv_caches'"):
+            call(ids, kv_caches=dst, slot_mapping=slots)
+        with pytest.raises(TypeError, match="unexpected keyword argument 'mask'"):
+            call(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots), mask=mask)
+    assert (e.stats()["stores"], e.stats()["retrieves"]) == runs  # none of them started a run
 
 
 def test_each_call_keeps_its_own_result():
     g = geometry()
     e = engine()
     src, dst, ids, slots = request_kv(g)
-    e.store(ids, kv_caches=src, slot_mapping=slots)
+    e.store(KVTransfer(tokens=ids, kv_caches=src, slot_mapping=slots))
     keys = [k.to_str() for k in e.chunk_keys(flowkv.Request(tokens=ids))]
     e.lookup(ids)
     assert e.memory.remove(keys[2])
@@ -327,9 +334,9 @@ def test_bad_masks_raise_a_clear_value_error(make_mask, message):
     mask = torch.zeros(NUM_TOKENS, dtype=torch.bool)
     make_mask(mask)
     with pytest.raises(ValueError, match=message):
-        e.store(ids, kv_caches=kv, slot_mapping=slots, mask=mask)
+        e.store(KVTransfer(tokens=ids, kv_caches=kv, slot_mapping=slots, mask=mask))
     with pytest.raises(ValueError, match=message):
-        e.retrieve(ids, kv_caches=kv, slot_mapping=slots, mask=mask)
+        e.retrieve(KVTransfer(tokens=ids, kv_caches=kv, slot_mapping=slots, mask=mask))
 
 
 def test_other_caller_mistakes_raise_value_error():
@@ -339,15 +346,16 @@ def test_other_caller_mistakes_raise_value_error():
     ids = tokens()
     slots = random_slot_mapping(NUM_TOKENS, g, NUM_BLOCKS, seed=2)
     with pytest.raises(ValueError, match="mask has 10 entries"):
-        e.store(ids, kv_caches=kv, slot_mapping=slots, mask=torch.ones(10, dtype=torch.bool))
+        e.store(KVTransfer(tokens=ids, kv_caches=kv, slot_mapping=slots, mask=torch.ones(10, dtype=torch.bool)))
     with pytest.raises(ValueError, match="slot_mapping has"):
-        e.store(ids, kv_caches=kv, slot_mapping=slots[:100])
+        e.store(KVTransfer(tokens=ids, kv_caches=kv, slot_mapping=slots[:100]))
     with pytest.raises(ValueError, match="1-D"):
         e.lookup(ids.view(2, -1)[:, :10])
     with pytest.raises(ValueError, match="lookup_id"):
         e.lookup(ids, pin=True)
     # A mask over every token need not end on a chunk boundary: nothing to do.
-    assert e.store(ids, kv_caches=kv, slot_mapping=slots, mask=torch.ones(NUM_TOKENS, dtype=torch.bool)) == 0
+    every = torch.ones(NUM_TOKENS, dtype=torch.bool)
+    assert e.store(KVTransfer(tokens=ids, kv_caches=kv, slot_mapping=slots, mask=every)).stored_tokens == 0
 
 
 # -- keys ------------------------------------------------------------------------
@@ -398,14 +406,15 @@ def disk_pipeline(tmp_path, folder) -> str:
 
 _CHILD = """
 import sys, torch
-from flowkv import CacheEngine
+from flowkv import CacheEngine, KVTransfer
 from flowkv.kernels import KVGeometry
 from flowkv._testing.paged import make_paged_kv, random_slot_mapping
 pipeline, n, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 g = KVGeometry("cpu", num_layers=2, num_kv_heads=2, head_size=16, block_size=16, dtype=torch.bfloat16)
 e = CacheEngine.from_pipeline(pipeline, geometry=g, model_name="tiny")
 ids = torch.randint(0, 32000, (n,), generator=torch.Generator().manual_seed(0))
-stored = e.store(ids, kv_caches=make_paged_kv(g, 64, seed=1), slot_mapping=random_slot_mapping(n, g, 64, seed=3))
+stored = e.store(KVTransfer(tokens=ids, kv_caches=make_paged_kv(g, 64, seed=1),
+                            slot_mapping=random_slot_mapping(n, g, 64, seed=3))).stored_tokens
 assert e.flush(), "write-behind did not drain"
 e.close()
 print(stored)
@@ -428,7 +437,7 @@ def test_keys_are_equal_across_processes(tmp_path):
         slots = random_slot_mapping(NUM_TOKENS, g, NUM_BLOCKS, seed=3)
         assert e.lookup(ids) == 4 * CHUNK
         dst = make_paged_kv(g, NUM_BLOCKS, seed=2, fill=False)
-        ret_mask = e.retrieve(ids, kv_caches=dst, slot_mapping=slots)
+        ret_mask = e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots)).ret_mask
         assert int(ret_mask.sum()) == 4 * CHUNK
         assert_loaded_exactly(make_paged_kv(g, NUM_BLOCKS, seed=1), dst, g, slots, ret_mask)
     finally:
@@ -441,8 +450,8 @@ def test_other_model_rank_or_tags_get_no_hit(tmp_path):
     ids = tokens()
     slots = random_slot_mapping(NUM_TOKENS, g, NUM_BLOCKS, seed=3)
     writer = CacheEngine.from_pipeline(pipeline, geometry=g, model_name="tiny", world_size=2, rank=0)
-    assert writer.store(ids, kv_caches=make_paged_kv(g, NUM_BLOCKS, seed=1), slot_mapping=slots,
-                        tags={"lora": "a"}) == 4 * CHUNK
+    assert writer.store(KVTransfer(tokens=ids, kv_caches=make_paged_kv(g, NUM_BLOCKS, seed=1), slot_mapping=slots,
+                                   tags={"lora": "a"})).stored_tokens == 4 * CHUNK
     assert writer.flush()
     assert writer.lookup(ids, tags={"lora": "a"}) == 4 * CHUNK
     assert writer.lookup(ids, tags={"lora": "b"}) == 0
@@ -482,10 +491,10 @@ def test_a_full_arena_stops_store_without_error_and_keeps_the_prefix(pipeline):
     ids = tokens()
     slots = random_slot_mapping(NUM_TOKENS, g, NUM_BLOCKS, seed=3)
 
-    stored = e.store(ids, kv_caches=src, slot_mapping=slots)
+    stored = e.store(KVTransfer(tokens=ids, kv_caches=src, slot_mapping=slots)).stored_tokens
     assert 0 < stored < 4 * CHUNK and stored % CHUNK == 0
     assert e.lookup(ids) == stored, "what store reports must be what lookup finds"
-    ret_mask = e.retrieve(ids, kv_caches=dst, slot_mapping=slots)
+    ret_mask = e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots)).ret_mask
     assert int(ret_mask.sum()) == stored and ret_mask[:stored].all()
     assert_loaded_exactly(src, dst, g, slots, ret_mask)
     # Room for three raw chunks holds three incompressible chunks.
@@ -504,16 +513,16 @@ def test_compressed_chunks_cost_only_their_bytes_so_memory_holds_more():
     ids = tokens()
     slots = random_slot_mapping(NUM_TOKENS, g, NUM_BLOCKS, seed=3)
     raw = engine("local-cpu", g=g, save_partial_chunks=True, **{"tiers.memory.capacity": capacity})
-    assert raw.store(ids, kv_caches=src, slot_mapping=slots) == 3 * CHUNK
+    assert raw.store(KVTransfer(tokens=ids, kv_caches=src, slot_mapping=slots)).stored_tokens == 3 * CHUNK
 
     e = engine("local-cpu-lz4", g=g, save_partial_chunks=True, **{"tiers.memory.capacity": capacity})
-    assert e.store(ids, kv_caches=src, slot_mapping=slots) == NUM_TOKENS
+    assert e.store(KVTransfer(tokens=ids, kv_caches=src, slot_mapping=slots)).stored_tokens == NUM_TOKENS
     memory = e.stats()["tiers"]["memory"]
     assert len(encoded_entries(e)) == memory["entries"] == 5
     raw_bytes = NUM_TOKENS * g.token_bytes
     assert memory["used_bytes"] < raw_bytes / 2, (memory["used_bytes"], raw_bytes)
     dst = make_paged_kv(g, NUM_BLOCKS, seed=2, fill=False)
-    ret_mask = e.retrieve(ids, kv_caches=dst, slot_mapping=slots)
+    ret_mask = e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots)).ret_mask
     assert ret_mask.all()
     assert_loaded_exactly(src, dst, g, slots, ret_mask)
 
@@ -525,17 +534,18 @@ def test_eviction_between_lookup_and_retrieve_shrinks_the_mask():
     dst = make_paged_kv(g, NUM_BLOCKS, seed=2, fill=False)
     ids = tokens()
     slots = random_slot_mapping(NUM_TOKENS, g, NUM_BLOCKS, seed=3)
-    assert e.store(ids, kv_caches=src, slot_mapping=slots) == 4 * CHUNK
+    assert e.store(KVTransfer(tokens=ids, kv_caches=src, slot_mapping=slots)).stored_tokens == 4 * CHUNK
     # Reading chunks 0 and 1 makes 2 and 3 the least recently used.
-    e.retrieve(ids[: 2 * CHUNK], kv_caches=dst, slot_mapping=slots)
+    e.retrieve(KVTransfer(tokens=ids[: 2 * CHUNK], kv_caches=dst, slot_mapping=slots))
     dst = make_paged_kv(g, NUM_BLOCKS, seed=2, fill=False)
 
     assert e.lookup(ids) == 4 * CHUNK
     # Another request needs two slabs; one is free, chunk 2 is evicted.
-    assert e.store(tokens(2 * CHUNK, seed=20), kv_caches=src, slot_mapping=slots) == 2 * CHUNK
+    other = KVTransfer(tokens=tokens(2 * CHUNK, seed=20), kv_caches=src, slot_mapping=slots)
+    assert e.store(other).stored_tokens == 2 * CHUNK
     assert e.stats()["tiers"]["memory"]["evictions"] == 1
 
-    ret_mask = e.retrieve(ids, kv_caches=dst, slot_mapping=slots)
+    ret_mask = e.retrieve(KVTransfer(tokens=ids, kv_caches=dst, slot_mapping=slots)).ret_mask
     assert int(ret_mask.sum()) == 2 * CHUNK and ret_mask[: 2 * CHUNK].all()
     assert_loaded_exactly(src, dst, g, slots, ret_mask)
 
@@ -554,8 +564,9 @@ def test_file_telemetry_writes_one_span_per_stage(tmp_path):
     src = make_paged_kv(g, NUM_BLOCKS, seed=1)
     ids = tokens()
     slots = random_slot_mapping(NUM_TOKENS, g, NUM_BLOCKS, seed=3)
-    e.store(ids, kv_caches=src, slot_mapping=slots, request_id="req-1")
-    e.retrieve(ids, kv_caches=make_paged_kv(g, NUM_BLOCKS, seed=2, fill=False), slot_mapping=slots)
+    e.store(KVTransfer(tokens=ids, kv_caches=src, slot_mapping=slots, request_id="req-1"))
+    e.retrieve(KVTransfer(tokens=ids, kv_caches=make_paged_kv(g, NUM_BLOCKS, seed=2, fill=False),
+                          slot_mapping=slots))
     telemetry.flush()
 
     files = list(folder.glob("*.json"))
@@ -587,7 +598,7 @@ def test_accounting_changes_only_when_the_engine_counts_something():
     e.stats()
     e.drain_latencies()
     assert e.accounting.changes == before  # reading changes nothing
-    e.store(ids, kv_caches=src, slot_mapping=slots)
+    e.store(KVTransfer(tokens=ids, kv_caches=src, slot_mapping=slots))
     after_store = e.accounting.changes
     assert after_store > before
     e.lookup(ids)
