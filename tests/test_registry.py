@@ -63,7 +63,7 @@ def site(tmp_path, monkeypatch):
 def test_every_builtin_stage_resolves_under_its_own_name(name):
     info = resolve_stage(name)
     assert info.name == name
-    assert info.kinds and info.kinds <= {"store", "retrieve", "lookup"}
+    assert info.kinds and info.kinds <= {"store", "retrieve", "lookup", "server"}  # server: a node server's list
     assert attrs.has(info.config_cls)
     assert info.func.__doc__, f"stage '{name}' has no docstring"
 
