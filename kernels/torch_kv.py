@@ -46,6 +46,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from flowkv.affinity import other_cores, process_cores, set_thread_cores
+
 from .geometry import dense_order
 from .probe import note_row_bytes
 
@@ -269,44 +271,20 @@ class _Job:
             raise self.error
 
 
-def _set_thread_cores(cores: set[int]) -> bool:
-    try:
-        os.sched_setaffinity(0, cores)  # 0: the calling thread only
-    except OSError:
-        return False
-    return True
-
-
-def _process_cores() -> set[int]:
-    """The cores this process's threads may run on, whatever the calling thread is pinned to:
-    the union of every thread's affinity. Inside vLLM's worker that is the cores of
-    ``VLLM_CPU_OMP_THREADS_BIND`` (one OpenMP thread pinned to each); under ``taskset`` it
-    stays within the set given."""
-    cores: set[int] = set()
-    try:
-        for task in os.listdir("/proc/self/task"):
-            try:
-                cores |= os.sched_getaffinity(int(task))
-            except OSError:  # the thread ended meanwhile
-                continue
-    except OSError:
-        pass
-    return cores
+_set_thread_cores = set_thread_cores
+_process_cores = process_cores
 
 
 def helper_cores() -> set[int] | None:
     """The cores for copy helpers that the calling thread starts, or None to leave them on
     the caller's (there is nothing else, or the caller is not pinned).
 
-    A thread inherits its creator's affinity. Inside vLLM's CPU worker the thread that
-    calls the connector is the OpenMP master, pinned to the first core of
-    ``VLLM_CPU_OMP_THREADS_BIND``: helpers it started would share that core and copy
-    nothing in parallel. They go to the process's other cores instead, where vLLM's
-    OpenMP workers wait while the connector copies between forward passes."""
-    if not hasattr(os, "sched_setaffinity"):
-        return None
-    others = _process_cores() - os.sched_getaffinity(0)
-    return others or None
+    Inside vLLM's CPU worker the thread that calls the connector is the OpenMP master,
+    pinned to the first core of ``VLLM_CPU_OMP_THREADS_BIND``: helpers it started would
+    share that core and copy nothing in parallel. They go to the process's other cores
+    instead (`flowkv.affinity.other_cores`), where vLLM's OpenMP workers wait while the
+    connector copies between forward passes."""
+    return other_cores()
 
 
 def _helped() -> bool:
