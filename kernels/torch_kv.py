@@ -491,34 +491,38 @@ def scatter_groups(chunk: torch.Tensor, groups: list[LayerGroup], slots: torch.T
     _move_dense(groups, slots[kept], dense, to_chunk=False)
 
 
-def _joined_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], group: torch.Tensor
+def _joined_rows(slots: torch.Tensor, chunks: list[torch.Tensor], group: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """For chunk buffers alike in shape and layout that lie a fixed distance apart in one
     storage (an arena hands out a request's chunks back to back; one layer of each, for a
-    layerwise copy): (cache rows, the row index of all of them, their rows), or None when
-    they cannot move as one copy. Buffers that follow each other give ``(N, row)`` rows and
-    an index of N; buffers with gaps between them (one layer's slice of each chunk) give
-    ``(chunks, rows per chunk, row)`` rows and a ``(chunks, rows per chunk)`` index."""
-    first = parts[0][1]
+    layerwise copy), and ``slots``, theirs one after another: (cache rows, the row index of all
+    of them, their rows), or None when they cannot move as one copy. Buffers that follow each
+    other give ``(N, row)`` rows and an index of N; buffers with gaps between them (one layer's
+    slice of each chunk) give ``(chunks, rows per chunk, row)`` rows and a ``(chunks, rows per
+    chunk)`` index."""
+    first = chunks[0]
     order = dense_order(first)
     if order is None:
         return None
-    storage = first.untyped_storage().data_ptr()
     nbytes = first.numel() * first.element_size()
-    pitch = parts[1][1].data_ptr() - first.data_ptr()
+    start = first.data_ptr()
+    pitch = chunks[1].data_ptr() - start
     if pitch < nbytes:
         return None
-    for i, (_, chunk) in enumerate(parts):
-        if (chunk.shape != first.shape or chunk.stride() != first.stride()
-                or chunk.data_ptr() != first.data_ptr() + i * pitch
-                or chunk.untyped_storage().data_ptr() != storage):
+    shape, stride = first.shape, first.stride()
+    for i, chunk in enumerate(chunks):
+        if chunk.data_ptr() != start + i * pitch or chunk.shape != shape or chunk.stride() != stride:
             return None
+    # The strided view of them all below is made on the first one's storage: the last one's
+    # bytes must lie inside it (then every one's do).
+    storage = first.untyped_storage()
+    if chunks[-1].data_ptr() + nbytes > storage.data_ptr() + storage.nbytes():
+        return None
     # One plan for all of them: the chunks' slots one after another. Whole blocks are
     # whole blocks of each chunk when a chunk is whole blocks long (the runs align).
-    slots = torch.cat([part_slots for part_slots, _ in parts])
     block_size = group.shape[3]
     block_ids = whole_block_ids(slots, block_size) if first.shape[2] % block_size == 0 else None
-    plan = _row_plan(group, first, order, slots, block_ids, chunks=len(parts))
+    plan = _row_plan(group, first, order, slots, block_ids, chunks=len(chunks))
     if plan is None:
         return None
     rows_of, index, row = plan
@@ -527,22 +531,22 @@ def _joined_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], group: torch.Te
         return rows_of, index.reshape(-1), first.as_strided((index.numel(), row), (row, 1), first.storage_offset())
     if pitch % (row * first.element_size()):
         return None
-    joined = first.as_strided((len(parts), index.shape[1], row), (pitch // first.element_size(), row, 1),
+    joined = first.as_strided((len(chunks), index.shape[1], row), (pitch // first.element_size(), row, 1),
                               first.storage_offset())
     return rows_of, index, joined
 
 
-def move_joined(groups: list[LayerGroup], parts: list[tuple[torch.Tensor, torch.Tensor]], *,
+def move_joined(groups: list[LayerGroup], slots: torch.Tensor, chunks: list[torch.Tensor], *,
                 to_chunk: bool) -> bool:
-    """Gather (``to_chunk``) or scatter every ``(slots, chunk)`` of ``parts`` as one copy, when
-    the chunks follow each other in memory and move whole layer groups with no skipped slots;
-    False (nothing moved) when they cannot."""
-    if len(groups) != 1 or len(parts) < 2:
+    """Gather (``to_chunk``) or scatter ``chunks``, whose slots are ``slots`` one after another, as
+    one copy, when the chunks follow each other in memory and move whole layer groups with no
+    skipped slots; False (nothing moved) when they cannot."""
+    if len(groups) != 1 or len(chunks) < 2:
         return False
     _, group = groups[0]
-    if any(chunk.shape[0] != group.shape[0] for _, chunk in parts):
+    if any(chunk.shape[0] != group.shape[0] for chunk in chunks):
         return False
-    found = _joined_rows(parts, group)
+    found = _joined_rows(slots, chunks, group)
     if found is None:
         return False
     rows, index, chunk_rows = found
