@@ -62,8 +62,11 @@ LayerGroup = tuple[int, torch.Tensor]
 # which pays less per row.
 NUMPY_MIN_ROW_BYTES = 2048
 # Gather with numpy too (instead of index_select, which parallelizes a memcpy per row over
-# torch's OpenMP threads: inside vLLM's worker torch has one thread, and a parallel region
-# waits at its barrier for a core another process holds). Measured here with 1 torch thread,
+# torch's OpenMP threads: inside vLLM's worker those are vLLM's team, one pinned to each core
+# (tests/test_vllm_hooks.py), and a parallel region waits at its barrier for a core another
+# process holds: measured in vLLM's worker on this loaded machine (load 18), a request's 16 MiB
+# gathered by index_select ran at a median of 0.5-0.8 GB/s (best 20), by numpy at 8.7-10.3 GB/s
+# (best 17-20), 20 runs each). Measured before with 1 torch thread,
 # a request of 4,096 tokens gathered as one copy (medians of 8, interleaved): 1.33 against
 # 0.89 GB/s with the second core free (the helper thread takes half), 0.89 against 0.77 GB/s
 # with a forward-like load on it.

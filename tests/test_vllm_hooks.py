@@ -200,6 +200,15 @@ def test_the_worker_calls_from_a_thread_pinned_to_one_core_and_flowkvs_threads_r
     assert last["threads"]["MainThread"] == [0]
 
 
+def test_torch_runs_one_thread_per_bound_core_in_the_worker_and_one_in_the_engine_core(run):
+    """"Reducing Torch threads from 2 to 1 for serving" is the engine-core process's (where the
+    scheduler-side connector runs): in the worker a torch op (a copy, index_select) still runs on vLLM's
+    OpenMP team, one thread pinned to each core of VLLM_CPU_OMP_THREADS_BIND, the other cores' threads
+    idle between forward passes. (A parallel region there waits at its barrier for every one of them.)"""
+    assert {save["torch_threads"] for save in run.of("worker", "wait_for_save")} == {2}
+    assert {meta["torch_threads"] for meta in run.of("scheduler", "build_connector_meta")} == {1}
+
+
 def test_save_kv_layer_gets_the_layers_paged_tensor_and_cpu_attention_metadata(run):
     [register] = run.of("worker", "register_kv_caches")
     saves = run.of("worker", "save_kv_layer")

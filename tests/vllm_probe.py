@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Any
 
+import torch
+
 from flowkv.integration.vllm import FlowKVConnector, FlowKVMetadata
 
 LOG_ENV = "FLOWKV_PROBE_LOG"
@@ -95,6 +97,7 @@ class FlowKVProbe(FlowKVConnector):
             loads=[{"req_id": s.req_id, "start": s.start, "end": s.end, "load_async": s.load_async}
                    for s in meta.loads],
             saves=len(meta.saves),
+            torch_threads=torch.get_num_threads(),
         )
         return meta
 
@@ -168,7 +171,8 @@ class FlowKVProbe(FlowKVConnector):
         super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
 
     def wait_for_save(self):
-        _record("worker", "wait_for_save", caller_cores=sorted(os.sched_getaffinity(0)), threads=_thread_cores())
+        _record("worker", "wait_for_save", caller_cores=sorted(os.sched_getaffinity(0)), threads=_thread_cores(),
+                torch_threads=torch.get_num_threads())
         super().wait_for_save()
 
     def get_block_ids_with_load_errors(self):
