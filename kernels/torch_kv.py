@@ -46,7 +46,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from flowkv.affinity import other_cores, process_cores, set_thread_cores
+from .affinity import other_cores, process_cores, set_thread_cores
 
 from .geometry import dense_order
 from .probe import note_row_bytes

@@ -1,4 +1,4 @@
-"""flowkv.affinity: threads started by a thread pinned to one core run on the process's other cores
+"""flowkv.kernels.affinity: threads started by a thread pinned to one core run on the process's other cores
 (the worker's side of vLLM is checked in test_vllm_hooks.py); the tiers' I/O thread too."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from flowkv import affinity
+from flowkv.kernels import affinity
 
 needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
 

@@ -109,6 +109,43 @@ def test_bad_options_are_refused_before_anything_starts(capsys, argv, why):
     assert why in capsys.readouterr().err
 
 
+STAND_IN_PEER = """#!{python}
+# Stands in for LMCache's Python: answers the rounds as examples/peers/lmcache_mp_ttft.py does, and says
+# what it was run with.
+import json, os, sys
+args = sys.argv[1:]
+workload = json.loads(open(args[args.index("--rounds") + 1]).read())
+asked = [{{"ttft_s": 0.5, "cached_tokens": 0, "token": 1}} for _ in range(workload["docs"])]
+print("vLLM would log here")
+print(json.dumps({{"rounds": [asked, asked], "start_s": 1.0, "argv": args, "pythonpath": os.environ.get("PYTHONPATH")}}))
+"""
+
+
+def test_the_lmcache_row_runs_the_peer_script_with_its_own_python_and_nothing_of_this_tree_on_its_path(
+        capsys, tmp_path, monkeypatch, own_environment):
+    import sys
+
+    from flowkv.cli import main
+
+    python = tmp_path / "python"
+    python.write_text(STAND_IN_PEER.format(python=sys.executable))
+    python.chmod(0o755)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 100}))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert main(["bench", "side-by-side", "--configs", "LMCache MP", "--docs", "3", "--repeats", "2",
+                 "--model-dir", str(model), "--lmcache-python", str(python), "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert results["failed"] == {} and results["rows"]["LMCache MP"]["runs"] == 2
+    assert results["rows"]["LMCache MP"]["round2_s"] == [0.5, 0.5, 0.5]
+    for answer in results["runs"]["LMCache MP"]:
+        assert answer["pythonpath"] is None
+        script, *rest = answer["argv"]
+        assert script == str(sidebyside.PEER_SCRIPT) and sidebyside.PEER_SCRIPT.exists()
+        assert rest[0] == "--rounds" and rest[2:] == ["--model-dir", str(model)]
+
+
 @pytest.mark.vllm
 def test_a_tiny_table_for_real(capsys, tmp_path, own_environment, engines_in_this_process):
     import vllm  # noqa: F401 - a broken vLLM install fails this test; it never skips it

@@ -163,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
 def _one(name: str, args: argparse.Namespace, model: Path, workload_file: Path, round_index: int) -> dict[str, Any]:
     """Run configuration ``name`` in a child process: its answer (see `flowkv.bench.rounds`), or
     ``{"error": why}``."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # the workload sizes the pool
     if name == LMCACHE:
         python = Path(args.lmcache_python)
         if not python.exists():
@@ -170,6 +171,9 @@ def _one(name: str, args: argparse.Namespace, model: Path, workload_file: Path, 
         if not PEER_SCRIPT.exists():
             return {"error": f"the peer script {PEER_SCRIPT} is not here (it ships with the source tree)"}
         command = [str(python), str(PEER_SCRIPT), "--rounds", str(workload_file), "--model-dir", str(model)]
+        # Nothing of this tree on the peer's path: its libraries probe for modules by name (transformers
+        # imports a top-level "kernels" where it finds one), and this tree's would pull in flowkv there.
+        env.pop("PYTHONPATH", None)
     else:
         command = [sys.executable, "-m", "flowkv.cli", "bench", "side-by-side", "--child", name,
                    "--workload", str(workload_file), "--model-dir", str(model),
@@ -178,7 +182,6 @@ def _one(name: str, args: argparse.Namespace, model: Path, workload_file: Path, 
             command += ["--trace", str(Path(args.trace) / f"{name.replace(' ', '-')}-{round_index + 1}")]
     if args.eager:
         command.append("--eager")
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # the workload sizes the pool
     with tempfile.TemporaryFile("w+", encoding="utf-8") as log:
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
                                 start_new_session=True)

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from flowkv.affinity import threads_elsewhere
+from flowkv.kernels.affinity import threads_elsewhere
 
 __all__ = ["call", "get_portal", "shutdown", "submit"]
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flowkv.affinity import threads_elsewhere
+from flowkv.kernels.affinity import threads_elsewhere
 from flowkv.calls import KVTransfer
 from flowkv.integration._ipc import LookupServer
 from flowkv.integration.vllm.async_loads import AsyncLoads
