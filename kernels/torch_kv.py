@@ -46,6 +46,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from .affinity import other_cores, process_cores, set_thread_cores
+
 from .geometry import dense_order
 from .probe import note_row_bytes
 
@@ -60,8 +62,11 @@ LayerGroup = tuple[int, torch.Tensor]
 # which pays less per row.
 NUMPY_MIN_ROW_BYTES = 2048
 # Gather with numpy too (instead of index_select, which parallelizes a memcpy per row over
-# torch's OpenMP threads: inside vLLM's worker torch has one thread, and a parallel region
-# waits at its barrier for a core another process holds). Measured here with 1 torch thread,
+# torch's OpenMP threads: inside vLLM's worker those are vLLM's team, one pinned to each core
+# (tests/test_vllm_hooks.py), and a parallel region waits at its barrier for a core another
+# process holds: measured in vLLM's worker on this loaded machine (load 18), a request's 16 MiB
+# gathered by index_select ran at a median of 0.5-0.8 GB/s (best 20), by numpy at 8.7-10.3 GB/s
+# (best 17-20), 20 runs each). Measured before with 1 torch thread,
 # a request of 4,096 tokens gathered as one copy (medians of 8, interleaved): 1.33 against
 # 0.89 GB/s with the second core free (the helper thread takes half), 0.89 against 0.77 GB/s
 # with a forward-like load on it.
@@ -269,44 +274,20 @@ class _Job:
             raise self.error
 
 
-def _set_thread_cores(cores: set[int]) -> bool:
-    try:
-        os.sched_setaffinity(0, cores)  # 0: the calling thread only
-    except OSError:
-        return False
-    return True
-
-
-def _process_cores() -> set[int]:
-    """The cores this process's threads may run on, whatever the calling thread is pinned to:
-    the union of every thread's affinity. Inside vLLM's worker that is the cores of
-    ``VLLM_CPU_OMP_THREADS_BIND`` (one OpenMP thread pinned to each); under ``taskset`` it
-    stays within the set given."""
-    cores: set[int] = set()
-    try:
-        for task in os.listdir("/proc/self/task"):
-            try:
-                cores |= os.sched_getaffinity(int(task))
-            except OSError:  # the thread ended meanwhile
-                continue
-    except OSError:
-        pass
-    return cores
+_set_thread_cores = set_thread_cores
+_process_cores = process_cores
 
 
 def helper_cores() -> set[int] | None:
     """The cores for copy helpers that the calling thread starts, or None to leave them on
     the caller's (there is nothing else, or the caller is not pinned).
 
-    A thread inherits its creator's affinity. Inside vLLM's CPU worker the thread that
-    calls the connector is the OpenMP master, pinned to the first core of
-    ``VLLM_CPU_OMP_THREADS_BIND``: helpers it started would share that core and copy
-    nothing in parallel. They go to the process's other cores instead, where vLLM's
-    OpenMP workers wait while the connector copies between forward passes."""
-    if not hasattr(os, "sched_setaffinity"):
-        return None
-    others = _process_cores() - os.sched_getaffinity(0)
-    return others or None
+    Inside vLLM's CPU worker the thread that calls the connector is the OpenMP master,
+    pinned to the first core of ``VLLM_CPU_OMP_THREADS_BIND``: helpers it started would
+    share that core and copy nothing in parallel. They go to the process's other cores
+    instead (`flowkv.affinity.other_cores`), where vLLM's OpenMP workers wait while the
+    connector copies between forward passes."""
+    return other_cores()
 
 
 def _helped() -> bool:
@@ -513,34 +494,38 @@ def scatter_groups(chunk: torch.Tensor, groups: list[LayerGroup], slots: torch.T
     _move_dense(groups, slots[kept], dense, to_chunk=False)
 
 
-def _joined_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], group: torch.Tensor
+def _joined_rows(slots: torch.Tensor, chunks: list[torch.Tensor], group: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """For chunk buffers alike in shape and layout that lie a fixed distance apart in one
     storage (an arena hands out a request's chunks back to back; one layer of each, for a
-    layerwise copy): (cache rows, the row index of all of them, their rows), or None when
-    they cannot move as one copy. Buffers that follow each other give ``(N, row)`` rows and
-    an index of N; buffers with gaps between them (one layer's slice of each chunk) give
-    ``(chunks, rows per chunk, row)`` rows and a ``(chunks, rows per chunk)`` index."""
-    first = parts[0][1]
+    layerwise copy), and ``slots``, theirs one after another: (cache rows, the row index of all
+    of them, their rows), or None when they cannot move as one copy. Buffers that follow each
+    other give ``(N, row)`` rows and an index of N; buffers with gaps between them (one layer's
+    slice of each chunk) give ``(chunks, rows per chunk, row)`` rows and a ``(chunks, rows per
+    chunk)`` index."""
+    first = chunks[0]
     order = dense_order(first)
     if order is None:
         return None
-    storage = first.untyped_storage().data_ptr()
     nbytes = first.numel() * first.element_size()
-    pitch = parts[1][1].data_ptr() - first.data_ptr()
+    start = first.data_ptr()
+    pitch = chunks[1].data_ptr() - start
     if pitch < nbytes:
         return None
-    for i, (_, chunk) in enumerate(parts):
-        if (chunk.shape != first.shape or chunk.stride() != first.stride()
-                or chunk.data_ptr() != first.data_ptr() + i * pitch
-                or chunk.untyped_storage().data_ptr() != storage):
+    shape, stride = first.shape, first.stride()
+    for i, chunk in enumerate(chunks):
+        if chunk.data_ptr() != start + i * pitch or chunk.shape != shape or chunk.stride() != stride:
             return None
+    # The strided view of them all below is made on the first one's storage: the last one's
+    # bytes must lie inside it (then every one's do).
+    storage = first.untyped_storage()
+    if chunks[-1].data_ptr() + nbytes > storage.data_ptr() + storage.nbytes():
+        return None
     # One plan for all of them: the chunks' slots one after another. Whole blocks are
     # whole blocks of each chunk when a chunk is whole blocks long (the runs align).
-    slots = torch.cat([part_slots for part_slots, _ in parts])
     block_size = group.shape[3]
     block_ids = whole_block_ids(slots, block_size) if first.shape[2] % block_size == 0 else None
-    plan = _row_plan(group, first, order, slots, block_ids, chunks=len(parts))
+    plan = _row_plan(group, first, order, slots, block_ids, chunks=len(chunks))
     if plan is None:
         return None
     rows_of, index, row = plan
@@ -549,22 +534,22 @@ def _joined_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], group: torch.Te
         return rows_of, index.reshape(-1), first.as_strided((index.numel(), row), (row, 1), first.storage_offset())
     if pitch % (row * first.element_size()):
         return None
-    joined = first.as_strided((len(parts), index.shape[1], row), (pitch // first.element_size(), row, 1),
+    joined = first.as_strided((len(chunks), index.shape[1], row), (pitch // first.element_size(), row, 1),
                               first.storage_offset())
     return rows_of, index, joined
 
 
-def move_joined(groups: list[LayerGroup], parts: list[tuple[torch.Tensor, torch.Tensor]], *,
+def move_joined(groups: list[LayerGroup], slots: torch.Tensor, chunks: list[torch.Tensor], *,
                 to_chunk: bool) -> bool:
-    """Gather (``to_chunk``) or scatter every ``(slots, chunk)`` of ``parts`` as one copy, when
-    the chunks follow each other in memory and move whole layer groups with no skipped slots;
-    False (nothing moved) when they cannot."""
-    if len(groups) != 1 or len(parts) < 2:
+    """Gather (``to_chunk``) or scatter ``chunks``, whose slots are ``slots`` one after another, as
+    one copy, when the chunks follow each other in memory and move whole layer groups with no
+    skipped slots; False (nothing moved) when they cannot."""
+    if len(groups) != 1 or len(chunks) < 2:
         return False
     _, group = groups[0]
-    if any(chunk.shape[0] != group.shape[0] for _, chunk in parts):
+    if any(chunk.shape[0] != group.shape[0] for chunk in chunks):
         return False
-    found = _joined_rows(parts, group)
+    found = _joined_rows(slots, chunks, group)
     if found is None:
         return False
     rows, index, chunk_rows = found

@@ -124,7 +124,8 @@ def _prepare(
     cache_layers, layer_ids = _layers(kv_caches, geometry, layers)
     _check_slot_mapping(slot_mapping)
     _check_chunk(chunk, geometry, len(layer_ids), slot_mapping.numel(), cache_layers[0].device, chunk_name)
-    return _groups_and_slots(cache_layers, layer_ids, geometry, slot_mapping)
+    groups, slots, _ = _groups_and_slots(cache_layers, layer_ids, geometry, slot_mapping)
+    return groups, slots
 
 
 def _layers(kv_caches: KVCaches, geometry: KVGeometry,
@@ -170,12 +171,15 @@ def _check_chunk(chunk: torch.Tensor, geometry: KVGeometry, num_layers: int, num
 
 
 def _groups_and_slots(cache_layers: list[torch.Tensor], layer_ids: list[int], geometry: KVGeometry,
-                      slot_mapping: torch.Tensor) -> tuple[list[torch_kv.LayerGroup], torch.Tensor]:
+                      slot_mapping: torch.Tensor) -> tuple[list[torch_kv.LayerGroup], torch.Tensor, int]:
+    """The layer groups, the slots as int64 on the cache's device, and the lowest slot (-1: some
+    are skipped; 0 when there are none), the slots checked against the cache's size."""
     device = cache_layers[0].device
     groups = _cached_layer_groups([cache_layers[i] for i in layer_ids], geometry)
     num_blocks = groups[0][1].shape[2]
     if any(group.shape[2] != num_blocks for _, group in groups):
         raise ValueError(f"KV layers hold different numbers of blocks: {[group.shape[2] for _, group in groups]}")
+    low = 0
     if slot_mapping.numel():
         # Checked where the slots are (on the host, as the engine passes them):
         # checking after the move to a GPU would wait for the device on every call.
@@ -186,7 +190,7 @@ def _groups_and_slots(cache_layers: list[torch.Tensor], layer_ids: list[int], ge
                 f"slot_mapping holds slots in [{low}, {high}]; valid slots are -1 "
                 f"(skip) and 0..{slots_per_layer - 1} ({num_blocks} blocks of {geometry.block_size})"
             )
-    return groups, slot_mapping.to(device=device, dtype=torch.int64)
+    return groups, slot_mapping.to(device=device, dtype=torch.int64), low
 
 
 def gather(
@@ -262,10 +266,10 @@ def scatter(
 
 def _joinable(kv_caches: KVCaches, geometry: KVGeometry, parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
               layers: Sequence[int] | None, impl: str | None, name: str
-              ) -> tuple[list[torch_kv.LayerGroup], list[tuple[torch.Tensor, torch.Tensor]]] | None:
-    """The layer groups and the parts (slots as int64) for moving ``parts`` as one copy,
-    checked as `gather` checks one call (the slots all at once), or None when they must move
-    one by one (a GPU cache, Triton, a skipped slot)."""
+              ) -> tuple[list[torch_kv.LayerGroup], torch.Tensor, list[torch.Tensor]] | None:
+    """The layer groups, every part's slots one after another (int64) and the parts' buffers, for
+    moving ``parts`` as one copy, checked as `gather` checks one call (the slots all at once), or
+    None when they must move one by one (a GPU cache, Triton, a skipped slot)."""
     if len(parts) < 2 or not JOIN_CHUNKS:
         return None
     cache_layers, layer_ids = _layers(kv_caches, geometry, layers)
@@ -282,11 +286,10 @@ def _joinable(kv_caches: KVCaches, geometry: KVGeometry, parts: Sequence[tuple[t
             continue  # alike the first in everything `_check_chunk` reads: checked once
         _check_chunk(chunk, geometry, len(layer_ids), slot_mapping.numel(), cache_layers[0].device, name)
     joined = torch.cat([slot_mapping for slot_mapping, _ in parts])
-    groups, joined = _groups_and_slots(cache_layers, layer_ids, geometry, joined)
-    if joined.numel() == 0 or int(joined.min()) < 0:
+    groups, joined, low = _groups_and_slots(cache_layers, layer_ids, geometry, joined)
+    if joined.numel() == 0 or low < 0:
         return None
-    split = torch.split(joined, [slot_mapping.numel() for slot_mapping, _ in parts])
-    return groups, [(slots, chunk) for slots, (_, chunk) in zip(split, parts)]
+    return groups, joined, [chunk for _, chunk in parts]
 
 
 def gather_many(

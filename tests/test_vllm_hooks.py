@@ -183,6 +183,32 @@ def test_worker_hooks_come_in_this_order_each_step(run):
     assert load_steps == 1 and empty_steps >= 1
 
 
+def test_the_worker_calls_from_a_thread_pinned_to_one_core_and_flowkvs_threads_run_off_it(run):
+    """vLLM binds its OpenMP threads one per core of VLLM_CPU_OMP_THREADS_BIND (0-1 here) and calls the
+    connector from the master, pinned to the first: the threads flowkv starts there (lookup server,
+    pre-fault refill, pin expiry, tier I/O) would inherit that core; they run on the others."""
+    saves = run.of("worker", "wait_for_save")
+    assert saves
+    last = saves[-1]
+    assert last["caller_cores"] == [0]
+    flowkv_threads = {name: cores for name, cores in last["threads"].items() if name.startswith("flowkv")}
+    # (the pre-fault of this 64 MiB arena is done by now: its thread has ended)
+    assert any(name.startswith("flowkv-ipc") for name in flowkv_threads) and "flowkv-pin-timer" in flowkv_threads
+    for name, cores in flowkv_threads.items():
+        assert cores == [1], (name, last["threads"])
+    # The thread that drives the model is vLLM's: its name is the process's main thread's.
+    assert last["threads"]["MainThread"] == [0]
+
+
+def test_torch_runs_one_thread_per_bound_core_in_the_worker_and_one_in_the_engine_core(run):
+    """"Reducing Torch threads from 2 to 1 for serving" is the engine-core process's (where the
+    scheduler-side connector runs): in the worker a torch op (a copy, index_select) still runs on vLLM's
+    OpenMP team, one thread pinned to each core of VLLM_CPU_OMP_THREADS_BIND, the other cores' threads
+    idle between forward passes. (A parallel region there waits at its barrier for every one of them.)"""
+    assert {save["torch_threads"] for save in run.of("worker", "wait_for_save")} == {2}
+    assert {meta["torch_threads"] for meta in run.of("scheduler", "build_connector_meta")} == {1}
+
+
 def test_save_kv_layer_gets_the_layers_paged_tensor_and_cpu_attention_metadata(run):
     [register] = run.of("worker", "register_kv_caches")
     saves = run.of("worker", "save_kv_layer")

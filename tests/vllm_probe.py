@@ -12,8 +12,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import time
 from typing import Any
+
+import torch
 
 from flowkv.integration.vllm import FlowKVConnector, FlowKVMetadata
 
@@ -34,6 +37,17 @@ def _ids(block_ids: Any) -> Any:
     if isinstance(block_ids, tuple):
         return {"tuple": [_ids(group) for group in block_ids]}
     return list(block_ids) if block_ids is not None else None
+
+
+def _thread_cores() -> dict[str, list[int]]:
+    """Each live thread of this process (by name) and the cores it may run on."""
+    cores = {}
+    for thread in threading.enumerate():
+        try:
+            cores[thread.name] = sorted(os.sched_getaffinity(thread.native_id))
+        except (OSError, TypeError):  # ended meanwhile, or not started
+            continue
+    return cores
 
 
 class FlowKVProbe(FlowKVConnector):
@@ -83,6 +97,7 @@ class FlowKVProbe(FlowKVConnector):
             loads=[{"req_id": s.req_id, "start": s.start, "end": s.end, "load_async": s.load_async}
                    for s in meta.loads],
             saves=len(meta.saves),
+            torch_threads=torch.get_num_threads(),
         )
         return meta
 
@@ -156,7 +171,8 @@ class FlowKVProbe(FlowKVConnector):
         super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
 
     def wait_for_save(self):
-        _record("worker", "wait_for_save")
+        _record("worker", "wait_for_save", caller_cores=sorted(os.sched_getaffinity(0)), threads=_thread_cores(),
+                torch_threads=torch.get_num_threads())
         super().wait_for_save()
 
     def get_block_ids_with_load_errors(self):

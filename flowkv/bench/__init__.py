@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
@@ -24,8 +24,20 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "tenants": ("flowkv.bench.tenants", "two tenants, one cache: B's hit rate under A's flood, with and without quotas"),
     "rag": ("flowkv.bench.rag", "RAG prompts, documents in any order: no cache, prefix keys, CacheBlend by ratio"),
     "route": ("flowkv.bench.route", "two vLLM servers: round-robin against flowkv route (hit rate, TTFT, req/s)"),
+    "side-by-side": ("flowkv.bench.sidebyside", "the floor, no connector, flowkv's configurations and LMCache MP: "
+                     "cold + save and hit TTFT, one table"),
     "pd": ("flowkv.bench.pd", "colocated vs disaggregated prefill on bench serve's workload: TTFT and ITL p50/p99"),
 }
+
+
+def chosen(text: str, known: Sequence[str], option: str) -> list[str]:
+    """The names of a comma-separated option (``--configs``, ``--peers``), each one of ``known``;
+    ValueError naming ``option`` and what it takes otherwise."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"{option} takes {', '.join(known)}; got {text!r}")
+    return names
 
 
 def best_seconds(step: Callable[[], object], repeats: int, *, before: Callable[[], object] | None = None,

@@ -52,7 +52,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from flowkv.bench import report
+from flowkv.bench import chosen, report
 from flowkv.integration.harness import DEMO_MODEL, default_model_dir, kv_bytes_per_token, setup_environment
 
 __all__ = ["CONFIGS", "EAGER_HELP", "Server", "add_arguments", "add_workload_arguments", "answers", "bench_model",
@@ -116,14 +116,6 @@ def positive_ints(text: str, what: str) -> list[int]:
     if not values or min(values) <= 0:
         raise ValueError(f"{what} must be positive integers, got {text!r}")
     return values
-
-
-def _configs(text: str) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown or not names:
-        raise ValueError(f"--configs takes {', '.join(CONFIGS)}; got {text!r}")
-    return names
 
 
 # -- one server --------------------------------------------------------------------------------
@@ -348,7 +340,7 @@ def model_len(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table (or JSON). Returns the exit status."""
     try:
-        configs = _configs(args.configs)
+        configs = chosen(args.configs, CONFIGS, "--configs")
         levels = positive_ints(args.concurrency, "--concurrency")
         positive(args, ("docs", "asks", "doc_tokens", "question_tokens", "output_tokens", "pool_docs", "memory_docs",
                         "repeats"))

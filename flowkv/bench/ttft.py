@@ -38,6 +38,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from flowkv.bench import chosen
 from flowkv.integration.harness import (DEMO_MODEL, build_llm, default_model_dir, flowkv_config, kv_bytes_per_token,
                                         setup_environment, shutdown)
 
@@ -117,19 +118,11 @@ def _lengths(text: str) -> list[int]:
     return lengths
 
 
-def _chosen_peers(text: str) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [n for n in names if n not in PEERS]
-    if unknown or not names:
-        raise ValueError(f"--peers takes {', '.join(PEERS)}; got {text!r}")
-    return names
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table (or JSON). Returns the exit status."""
     try:
         lengths = _lengths(args.lengths)
-        peers = _chosen_peers(args.peers)
+        peers = chosen(args.peers, PEERS, "--peers")
         if args.repeats <= 0:
             raise ValueError("--repeats must be positive")
     except ValueError as exc:

@@ -1,12 +1,16 @@
 """``flowkv bench engine --worker-conditions``: store and retrieve as they run inside vLLM's worker.
 
 Inside vLLM's CPU worker the connector's copies run on the thread that drives
-the model: torch is down to one thread there ("Reducing Torch threads from 2
-to 1 for serving"), that thread is the OpenMP master vLLM pinned to the first
-core of ``VLLM_CPU_OMP_THREADS_BIND``, and vLLM's other OpenMP workers sit on
-the other cores, computing or spinning. A standalone benchmark with two
-torch threads and idle cores measures other conditions. This mode measures
-both, taking turns in one run:
+the model: the OpenMP master vLLM pinned to the first core of
+``VLLM_CPU_OMP_THREADS_BIND``, with vLLM's other OpenMP workers pinned to the
+other cores, computing or waiting, and vLLM's engine-core process spinning
+(``sched_yield``) on its queue while the worker copies. (torch there keeps one
+thread per bound core: "Reducing Torch threads from 2 to 1 for serving" is the
+engine-core process's; tests/test_vllm_hooks.py pins both.) A standalone
+benchmark with two torch threads and idle cores measures other conditions;
+the ``worker`` condition below is a harsher stand-in (one torch thread, the
+other cores computing), and ``flowkv bench side-by-side --trace`` gives the
+figure of a real vLLM run. This mode measures both, taking turns in one run:
 
 - ``copy``: a plain torch copy of the same bytes with two threads (or as
   many as the machine has), idle cores — the baseline every ratio is

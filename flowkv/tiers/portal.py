@@ -25,6 +25,8 @@ from typing import Any, TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from flowkv.kernels.affinity import threads_elsewhere
+
 __all__ = ["call", "get_portal", "shutdown", "submit"]
 
 T = TypeVar("T")
@@ -40,8 +42,11 @@ def get_portal() -> BlockingPortal:
     global _portal, _portal_cm, _portal_thread
     with _lock:
         if _portal is None:
-            cm = start_blocking_portal(backend="asyncio", name="flowkv-io")
-            portal = cm.__enter__()
+            # The loop's thread, and the worker threads it starts, off a pinned caller's core
+            # (vLLM's OpenMP master): write-behind and reads run beside the model, not on its core.
+            with threads_elsewhere():
+                cm = start_blocking_portal(backend="asyncio", name="flowkv-io")
+                portal = cm.__enter__()
             thread_box: list[threading.Thread] = []
             portal.call(_record_thread, thread_box)
             _portal, _portal_cm, _portal_thread = portal, cm, thread_box[0]

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from flowkv.kernels.affinity import threads_elsewhere
 from flowkv.calls import KVTransfer
 from flowkv.integration._ipc import LookupServer
 from flowkv.integration.vllm.async_loads import AsyncLoads
@@ -133,7 +134,15 @@ class ConnectorWorker:
     # -- set-up and the scheduler's questions ---------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Detect the paged cache's layout, build the engine, serve lookups."""
+        """Detect the paged cache's layout, build the engine, serve lookups.
+
+        vLLM calls this on the thread that drives the model, pinned to one core: the threads
+        the engine, the lookup server and the fleet link start (and those they start later) run
+        on the process's other cores (`flowkv.affinity`), not beside that thread."""
+        with threads_elsewhere():
+            self._register_kv_caches(kv_caches)
+
+    def _register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from flowkv.engine import CacheEngine
         from flowkv.integration.vllm.cpu_packing import engine_packing
         from flowkv.kernels import detect_layout
