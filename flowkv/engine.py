@@ -74,8 +74,10 @@ class CacheEngine:
         self.save_partial_chunks = pipeline.section.save_partial_chunks
         self.layerwise = pipeline.layerwise.enabled
         self.accounting = Accounting()
+        # A packed cache's raw chunks are its blocks' bytes: the packing is part of the layout.
+        layout = geometry.fingerprint() + (f"-{packing.fingerprint()}" if packing is not None else "")
         self.keys = ChunkKeys(model=model_name, world_size=world_size, rank=rank, dtype=geometry.dtype,
-                              layout=geometry.fingerprint(), chunk_size=self.chunk_size,
+                              layout=layout, chunk_size=self.chunk_size,
                               hash_function=pipeline.section.hash)
         self.storage = StorageManager.from_specs(
             pipeline.tiers, slab_bytes=geometry.token_bytes * self.chunk_size + _SLAB_MARGIN,

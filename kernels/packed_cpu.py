@@ -30,6 +30,7 @@ head_size)`` and back, for code that needs true key channels (lossy codecs).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable
 
@@ -121,6 +122,18 @@ class PackedBlockLayout:
             offsets.append(inverse.view(block_size, head_size))
         return cls(isa=isa, block_size=block_size, head_size=head_size, dtype=dtype,
                    key_offsets=offsets[0], value_offsets=offsets[1])
+
+    def fingerprint(self) -> str:
+        """A short tag for where this packing puts every token's channels: two layouts with the same
+        tag hold a block's bytes in the same places, whatever their ISA is called. Raw chunks copied
+        out of packed blocks are interchangeable only between caches of the same tag, so the engine
+        adds it to its chunk keys' layout (a payload written on an ``amx`` machine is never read as
+        ``vec`` blocks through a shared tier)."""
+        digest = hashlib.sha256()
+        for table in (self.key_offsets, self.value_offsets):
+            digest.update(repr(tuple(table.shape)).encode())
+            digest.update(table.to(torch.int64).contiguous().numpy().tobytes())
+        return f"pk{digest.hexdigest()[:10]}"
 
     # -- single tokens ----------------------------------------------------------------
 

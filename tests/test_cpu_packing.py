@@ -228,3 +228,32 @@ def test_an_engine_with_vllms_packing_stores_int8_per_true_key_channel_and_loads
                 assert bool((error <= bound).all()), f"layer {index}, chunk at {start}: beyond int8's per-channel bound"
     finally:
         engine.close()
+
+
+def test_caches_packed_differently_never_share_raw_chunks() -> None:
+    """The chunk keys' layout carries the packing: raw chunks are the blocks' bytes, so an engine
+    whose cache packs keys another way (another ISA; here vec's table transposed, as amx and vec
+    differ) keys the same tokens differently, and one with the same table keys them the same."""
+    from flowkv import CacheEngine
+    from flowkv.items import Request
+    from flowkv.kernels import KVGeometry
+
+    vec = packed_layout(torch.bfloat16, block_size=32, head_size=64, isa="vec")
+    same = packed_layout(torch.bfloat16, block_size=32, head_size=64, isa="vec")
+    t, d = torch.meshgrid(torch.arange(32), torch.arange(64), indexing="ij")
+    other = PackedBlockLayout(isa="other", block_size=32, head_size=64, dtype=torch.bfloat16,
+                              key_offsets=t * 64 + d, value_offsets=vec.value_offsets)
+    assert vec.fingerprint() == same.fingerprint() != other.fingerprint()
+    geometry = KVGeometry("cpu", num_layers=2, num_kv_heads=2, head_size=64, block_size=32, dtype=torch.bfloat16)
+    tokens = torch.arange(128)
+    keys = {}
+    for name, packing in (("vec", vec), ("same", same), ("other", other), ("none", None)):
+        engine = CacheEngine.from_pipeline("local-cpu", geometry=geometry, model_name="tiny", packing=packing,
+                                           overrides={"chunk_size": 64, "tiers.memory.capacity": "4MiB"})
+        try:
+            keys[name] = [k.to_str() for k in engine.chunk_keys(Request(tokens=tokens))]
+        finally:
+            engine.close()
+    assert keys["vec"] == keys["same"]
+    assert len({tuple(keys[name]) for name in ("vec", "other", "none")}) == 3
+    assert vec.fingerprint() in keys["vec"][0] and other.fingerprint() in keys["other"][0]

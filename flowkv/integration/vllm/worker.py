@@ -192,7 +192,7 @@ class ConnectorWorker:
                                       self._engine, self._engine_lock)
         logger.info(
             "flowkv: worker rank %d serving lookups on %s; pipeline %s, layout %s",
-            rank, self._server.path, self._pipeline.name, geometry.fingerprint(),
+            rank, self._server.path, self._pipeline.name, self._engine.keys.layout,
         )
 
     def _backend_hints(self, kv_caches: Mapping[str, torch.Tensor]) -> list[str]:
