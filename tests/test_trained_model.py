@@ -71,6 +71,7 @@ def test_the_recipe_keys_the_folder(monkeypatch, tmp_path):
     assert tm.model_dir(tmp_path) != tmp_path / f"trained-llama-{digest[:12]}"
 
 
+@pytest.mark.trained_model
 def test_held_out_files_are_never_trained_on_and_hold_the_quality_prompts():
     from transformers import AutoTokenizer
 
@@ -87,6 +88,7 @@ def test_held_out_files_are_never_trained_on_and_hold_the_quality_prompts():
         assert len(heads) == prompts and heads <= names
 
 
+@pytest.mark.trained_model
 def test_the_built_model_has_learned_and_its_config_names_its_recipe():
     """The real build (cached after the first; `make test` builds it before the suite)."""
     path = tm.trained_model(progress=False)

@@ -119,11 +119,25 @@ def tiny_model(
 def build_folder(target: Path, complete: Callable[[Path], bool], build: Callable[[Path], None]) -> Path:
     """Have `build` write a model folder, then move it to `target`; returns `target`.
 
-    The build goes to a temporary sibling folder first, so a crash or a
-    concurrent builder never leaves a half-written model behind; when another
-    builder finished first (`complete` holds for `target`), its folder stays.
+    The build goes to a temporary sibling folder first, so a crash never
+    leaves a half-written model behind. Builders of one folder take turns (a
+    lock file beside it): one that waited for another finds the folder
+    complete and returns it, so a model that takes minutes to train is
+    trained once, however many processes ask for it at the same time (the
+    test command builds the trained model beside the suite; the tests that
+    need it wait here).
     """
+    import fcntl
+
     target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when a builder dies
+        if target.exists() and complete(target):
+            return target
+        return _build_folder(target, complete, build)
+
+
+def _build_folder(target: Path, complete: Callable[[Path], bool], build: Callable[[Path], None]) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; the model is not a secret
     try:
