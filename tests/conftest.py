@@ -137,8 +137,9 @@ def pytest_collection_modifyitems(session, config, items):
 # module-scoped servers start once, an in_order story keeps its order), the first worker the modules
 # that start vLLM, the second the others beside it (they mostly wait on processes and sockets), then
 # either the rest of the other kind, the longest first. "Longest" is what each module took in the last
-# run on this machine (a file beside the venv, written at the end of every run with workers); modules
-# without a record follow, those with more tests first.
+# run on this machine (a file beside the venv, written at the end of every run with workers), or on a
+# machine with no run yet (CI's fresh clone) the times shipped in tests/module-seconds.json; modules
+# with neither follow, those with more tests first.
 #
 # xdist's own ``--dist loadgroup`` cannot do it here: it renames a test by assigning
 # ``item._nodeid``, which pytest 9 no longer reads (tests/test_suite_policy.py pins that). So each
@@ -147,6 +148,7 @@ def pytest_collection_modifyitems(session, config, items):
 _GROUPS_FILE = "FLOWKV_TEST_GROUPS_FILE"
 _DURATIONS_FILE = "FLOWKV_TEST_DURATIONS_FILE"
 _DEFAULT_DURATIONS = os.path.join(os.path.expanduser("~"), ".cache", "flowkv", "test-durations.json")
+_SHIPPED_DURATIONS = os.path.join(os.path.dirname(__file__), "module-seconds.json")
 _unit_seconds: dict[str, float] | None = None  # a dict in the controller of a run with workers
 
 
@@ -233,6 +235,9 @@ def pytest_xdist_make_scheduler(config, log):
                         self.seconds = json.load(record)
                 except (OSError, ValueError):
                     self.seconds = {}
+                if not self.seconds:  # a first run here: the times of a whole run shipped with the tests
+                    with open(_SHIPPED_DURATIONS, encoding="utf-8") as shipped:
+                        self.seconds = json.load(shipped)
             return self.groups
 
         def _split_scope(self, nodeid: str) -> str:
