@@ -169,10 +169,9 @@ def _write_groups(config, items) -> None:
 
     groups = {item.nodeid: test_group(item) for item in items}
     engines = sorted({groups[item.nodeid] for item in items if item.get_closest_marker("vllm")})
-    last = sorted({groups[item.nodeid] for item in items if item.get_closest_marker("trained_model")})
     part = f"{path}.{config.workerinput['workerid']}"
     with open(part, "w", encoding="utf-8") as out:
-        json.dump({"groups": groups, "engines": engines, "last": last}, out)
+        json.dump({"groups": groups, "engines": engines}, out)
     os.replace(part, path)  # every worker collects the same tests: the last one to finish wins
 
 
@@ -229,7 +228,7 @@ def pytest_xdist_make_scheduler(config, log):
             if self.groups is None:
                 with open(os.environ[_GROUPS_FILE], encoding="utf-8") as written:
                     found = json.load(written)
-                self.groups, self.engines, self.last = found["groups"], set(found["engines"]), set(found["last"])
+                self.groups, self.engines = found["groups"], set(found["engines"])
                 try:
                     with open(_durations_path(), encoding="utf-8") as record:
                         self.seconds = json.load(record)
@@ -248,9 +247,8 @@ def pytest_xdist_make_scheduler(config, log):
             # kind first, and either the other kind once its own is done: two engines side by side slow
             # each other's steps (2-6x for the in-process ones), an engine beside sockets hardly at all.
             engines_first = int(node.gateway.id.removeprefix("gw")) % 2 == 0
-            # Modules that need the trained model go last (`make test` trains it beside the suite).
             for scope in self.workqueue:
-                if (scope in self.engines) == engines_first and scope not in self.last:
+                if (scope in self.engines) == engines_first:
                     self.workqueue.move_to_end(scope, last=False)
                     break
             super()._assign_work_unit(node)
@@ -266,8 +264,7 @@ def pytest_xdist_make_scheduler(config, log):
                 finally:
                     self._assign_work_unit = assign
                 longest = sorted(self.workqueue.items(), key=lambda unit: (
-                    unit[0] in self.last, -self.seconds.get(unit[0], 0.0), unit[0] not in self.engines,
-                    -len(unit[1])))
+                    -self.seconds.get(unit[0], 0.0), unit[0] not in self.engines, -len(unit[1])))
                 self.workqueue.clear()
                 self.workqueue.update(longest)
                 for node in self.nodes:

@@ -176,3 +176,26 @@ def test_a_load_of_a_request_vllm_finished_is_reported_without_a_copy():
     landed(e, "L3")
     assert e.stats().get("retrieved_tokens", 0) == 0
     assert e.stats()["tiers"]["memory"]["pinned_objects"] == 0
+
+
+def test_an_idle_step_waits_for_a_load_to_land_sleeping_and_no_longer_than_its_limit():
+    """A step that schedules nothing waits for a prefetch (the GIL released, so the I/O thread can read):
+    it returns False at its limit while the chunks are held up, and at once once they have landed."""
+    e = engine()
+    ids = tokens(4 * CHUNK, seed=4)
+    on_gate_only(e, ids)
+    e.lookup_result(ids, pin=True, lookup_id="L4")
+    loads = async_loads(e, make_paged_kv(GEOMETRY, NUM_BLOCKS, seed=6, fill=False))
+    started = time.monotonic()
+    assert not loads.wait_for_landing(e, 30.0) and time.monotonic() - started < 5  # none pending: no wait
+    loads.add(load_spec("r4", ids, "L4"))
+    started, cpu = time.monotonic(), time.thread_time()
+    assert not loads.wait_for_landing(e, 0.2)  # held up at the gate
+    waited, spun = time.monotonic() - started, time.thread_time() - cpu
+    assert waited >= 0.2 and spun < waited / 2  # slept, not spun
+    GATE.set()
+    started = time.monotonic()
+    assert loads.wait_for_landing(e, 30.0)  # returns once landed, long before the limit
+    assert time.monotonic() - started < 25
+    done = loads.finish(e, set())
+    assert done.recving == {"r4"} and done.failed == set()

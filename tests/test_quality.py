@@ -151,7 +151,6 @@ def test_shipped_tiered_pipeline_is_raw_in_memory_and_int8_on_disk():
     assert puts == [["memory"], ["disk"]]
 
 
-@pytest.mark.trained_model
 def test_shipped_int8_pipeline_is_gated_by_a_record_of_the_trained_reference_model_only(tmp_path):
     """cpu-disk-int8 loads (its gate passes on the shipped record), serving the trained reference
     model is allowed, and serving any other model folder is refused: the random-weight demo model,
@@ -323,7 +322,6 @@ def test_bench_codecs_measures_the_demo_models_kv(capsys):
         rows["lz4"]["payload_bytes"] / rows["lz4-shuffle"]["payload_bytes"])
 
 
-@pytest.mark.trained_model
 def test_bench_codecs_measures_the_trained_models_kv_with_windows_per_document(capsys):
     """--model trained: the trained reference model's KV for held-out text; a window keeps each
     document's last tokens raw, so it costs their bytes once per document, not once per chunk."""

@@ -71,7 +71,6 @@ def test_the_recipe_keys_the_folder(monkeypatch, tmp_path):
     assert tm.model_dir(tmp_path) != tmp_path / f"trained-llama-{digest[:12]}"
 
 
-@pytest.mark.trained_model
 def test_held_out_files_are_never_trained_on_and_hold_the_quality_prompts():
     from transformers import AutoTokenizer
 
@@ -88,7 +87,6 @@ def test_held_out_files_are_never_trained_on_and_hold_the_quality_prompts():
         assert len(heads) == prompts and heads <= names
 
 
-@pytest.mark.trained_model
 def test_the_built_model_has_learned_and_its_config_names_its_recipe():
     """The real build (cached after the first; `make test` builds it before the suite)."""
     path = tm.trained_model(progress=False)
@@ -102,3 +100,14 @@ def test_the_built_model_has_learned_and_its_config_names_its_recipe():
     # Long positions were trained too: the last quarter of 1,024-token windows is no worse than the first.
     assert report["held_out_loss_last_quarter"] <= report["held_out_loss_first_quarter"]
     assert len(report["sample_continuation"]) > 0
+
+
+def test_the_shipped_build_is_copied_where_its_recipe_matches(tmp_path):
+    """The set-up copies the shipped build (this recipe, this Python's training text) rather than
+    train for minutes: the copy is byte for byte the shipped one, and a build of the current recipe."""
+    assert tm._is_complete(tm.SHIPPED_DIR, tm.recipe_digest()), (
+        "the shipped trained model is not this recipe's: `python -m flowkv._testing.trained_model --ship`")
+    path = tm.trained_model(tmp_path, progress=False)
+    assert path == tm.model_dir(tmp_path) and tm._is_complete(path, tm.recipe_digest())
+    for name in tm._REQUIRED_FILES:
+        assert (path / name).read_bytes() == (tm.SHIPPED_DIR / name).read_bytes(), name

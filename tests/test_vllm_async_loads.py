@@ -157,3 +157,15 @@ def test_load_error_blocks_alone_make_vllm_recompute_and_the_connector_recount_t
     # ...and its own count stays every promised token (test_vllm_blend pins that): the connector
     # brings it down to what stayed when the failed blocks come back (recount_short_load).
     assert run.outputs["quiet"][1] == GOOD
+
+
+def test_steps_that_schedule_nothing_reach_the_workers_marked_idle(run):
+    """vLLM steps on while a request waits for its load: alone, the step that hands the load to the
+    workers schedules no token. The scheduler connector marks exactly such steps idle (on them the
+    worker waits a moment for a load to land instead of answering at once and spinning the machine)."""
+    steps = run.of("scheduler", "build_connector_meta")
+    assert any(s["idle"] for s in steps) and not all(s["idle"] for s in steps)
+    assert all(s["idle"] == (s["total_num_scheduled_tokens"] == 0) for s in steps)
+    req_id = run.req_ids["memory"]
+    [step] = [m for m in steps if any(load["req_id"] == req_id for load in m["loads"])]
+    assert step["idle"] and step["num_scheduled_tokens"] == {}

@@ -119,6 +119,7 @@ def output(new=(), cached=(), scheduled=None):
             new_block_ids=[(blocks,) if blocks else None for _, _, blocks in cached],
             num_computed_tokens=[c for _, c, _ in cached]),
         num_scheduled_tokens=scheduled or {},
+        total_num_scheduled_tokens=sum((scheduled or {}).values()),
     )
 
 

@@ -97,6 +97,8 @@ class FlowKVProbe(FlowKVConnector):
             loads=[{"req_id": s.req_id, "start": s.start, "end": s.end, "load_async": s.load_async}
                    for s in meta.loads],
             saves=len(meta.saves),
+            idle=meta.idle,
+            total_num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
             torch_threads=torch.get_num_threads(),
         )
         return meta
@@ -140,13 +142,15 @@ class FlowKVProbe(FlowKVConnector):
         super().bind_connector_metadata(connector_metadata)
 
     def get_transfer_results(self, finished_req_ids):
+        started = time.monotonic()
         results = super().get_transfer_results(finished_req_ids)
+        took_s = time.monotonic() - started
         # A request tagged QUIET_FAILURES_TAG has its failed load reported by its blocks only.
         quiet = results.failed_recving & self._quiet_failures
         results.failed_recving -= quiet
         _record("worker", "get_transfer_results", finished_req_ids=sorted(finished_req_ids),
                 finished_recving=sorted(results.finished_recving), failed_recving=sorted(results.failed_recving),
-                quieted=sorted(quiet))
+                quieted=sorted(quiet), took_s=took_s)
         return results
 
     def clear_connector_metadata(self):

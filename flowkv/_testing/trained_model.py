@@ -30,6 +30,16 @@ report (``flowkv_trained_model.json`` in the folder).
 
 Run ``python -m flowkv._testing.trained_model`` to build it with a progress
 bar and print the report.
+
+The model this recipe built here ships beside this module
+(``flowkv/_testing/trained-llama/``, 8 MB, with its build report): where the
+recipe digest matches it (the same recipe, code version and training text,
+i.e. the same Python standard library) it is copied into the cache instead of
+trained, which saves the set-up several minutes of two busy cores and gives
+every machine the weights the shipped quality records measured. Anywhere
+else, or with ``FLOWKV_TRAIN=1``, the model is trained. After a change to the
+recipe, ``python -m flowkv._testing.trained_model --ship`` trains it and
+replaces the shipped copy.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 import sysconfig
 import time
@@ -417,6 +428,10 @@ def report(path: str | os.PathLike[str]) -> dict[str, Any]:
     return json.loads((Path(path) / _STAMP_FILE).read_text())
 
 
+#: The model this recipe built, shipped with the code (used where its recipe digest matches).
+SHIPPED_DIR = Path(__file__).with_name("trained-llama")
+
+
 def trained_model(root: str | os.PathLike[str] | None = None, *, progress: bool = True) -> Path:
     """Build (once) the trained reference model under ``root`` and return its folder.
 
@@ -430,8 +445,28 @@ def trained_model(root: str | os.PathLike[str] | None = None, *, progress: bool 
     target = model_dir(root)
     if _is_complete(target, digest):
         return target
+    if _is_complete(SHIPPED_DIR, digest) and os.environ.get("FLOWKV_TRAIN") != "1":
+        return build_folder(target, lambda folder: _is_complete(folder, digest), _copy_shipped)
     return build_folder(target, lambda folder: _is_complete(folder, digest),
                         lambda staging: _build(staging, digest, progress))
+
+
+def _copy_shipped(staging: Path) -> None:
+    for name in sorted(os.listdir(SHIPPED_DIR)):
+        shutil.copyfile(SHIPPED_DIR / name, staging / name)
+
+
+def ship(path: Path) -> Path:
+    """Replace the shipped copy with the model in ``path`` (a complete build of this recipe)."""
+    if not _is_complete(path, recipe_digest()):
+        raise ValueError(f"{path} is not a complete build of the current recipe")
+    if SHIPPED_DIR.exists():
+        shutil.rmtree(SHIPPED_DIR)
+    SHIPPED_DIR.mkdir()
+    for name in (*_REQUIRED_FILES, "generation_config.json"):
+        if (path / name).is_file():
+            shutil.copyfile(path / name, SHIPPED_DIR / name)
+    return SHIPPED_DIR
 
 
 def _build(folder: Path, digest: str, progress: bool) -> None:
@@ -502,8 +537,14 @@ def _main(argv: list[str] | None = None) -> int:
                                      description="Build (once) the trained reference model and print its report.")
     parser.add_argument("--root", help=f"models folder (default {default_dir()})")
     parser.add_argument("--quiet", action="store_true", help="no progress bar, print only the folder")
+    parser.add_argument("--ship", action="store_true",
+                        help=f"train it (even where a shipped copy matches) and replace the shipped copy in {SHIPPED_DIR}")
     args = parser.parse_args(argv)
+    if args.ship:
+        os.environ["FLOWKV_TRAIN"] = "1"
     path = trained_model(args.root, progress=not args.quiet)
+    if args.ship:
+        print(f"shipped: {ship(path)}")
     if args.quiet:
         print(path)
         return 0

@@ -44,6 +44,9 @@ logger = logging.getLogger("flowkv.integration")
 
 __all__ = ["AsyncLoads", "Finished"]
 
+# How often `AsyncLoads.wait_for_landing` looks whether a prefetch landed.
+_LANDING_POLL_S = 0.001
+
 
 @dataclass
 class Finished:
@@ -87,6 +90,22 @@ class AsyncLoads:
 
     def add(self, load: LoadSpec) -> None:
         self._pending[load.req_id] = _Pending(load, time.monotonic())
+
+    def wait_for_landing(self, engine: Any, limit_s: float) -> bool:
+        """Sleep (the GIL released) until one of the loads can be finished or ``limit_s`` passes;
+        whether one can. For steps that schedule nothing: vLLM runs them back to back while its
+        requests wait, and a worker that answers at once spins the machine the I/O needs."""
+        if not self._pending:
+            return False
+        deadline = time.monotonic() + limit_s
+        while True:
+            now = time.monotonic()
+            if any(p.load.lookup_id is None or now - p.since >= self._wait_limit_s
+                   or not engine.prefetch_pending(p.load.lookup_id) for p in self._pending.values()):
+                return True
+            if now >= deadline:
+                return False
+            time.sleep(min(_LANDING_POLL_S, deadline - now))
 
     def finish(self, engine: Any, finished_req_ids: set[str]) -> Finished:
         """Copy in the loads whose chunks landed; drop those of requests vLLM finished (aborted)."""

@@ -75,6 +75,9 @@ class FlowKVMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # The step schedules no token: vLLM steps on, back to back, while its requests wait for their
+    # asynchronous loads (the worker then waits a moment for one to land instead of spinning).
+    idle: bool = False
 
 
 def floor_to(value: int, multiple: int) -> int:

@@ -334,7 +334,7 @@ class ConnectorScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> FlowKVMetadata:
         """This step's loads (accepted in ``update_state_after_alloc``) and
         saves (chunks that this step's forward pass completes)."""
-        meta = FlowKVMetadata()
+        meta = FlowKVMetadata(idle=not scheduler_output.total_num_scheduled_tokens)
         cached = scheduler_output.scheduled_cached_reqs
         if not (self._attentive or scheduler_output.scheduled_new_reqs or cached.resumed_req_ids
                 or self._async_to_send):

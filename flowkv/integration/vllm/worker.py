@@ -54,6 +54,9 @@ __all__ = ["ConnectorWorker"]
 # With nothing counted since the last report, the stats are taken again after this long anyway
 # (the tiers' counters move in the background: write-behind, evictions by another engine).
 _STATS_EVERY_S = 1.0
+# The longest a step that schedules nothing waits for an asynchronous load to land (it returns as
+# soon as one has): vLLM's step loop, spinning while requests wait for their loads, slowed to a pace.
+_IDLE_STEP_WAIT_S = 0.01
 
 
 @dataclass
@@ -126,6 +129,7 @@ class ConnectorWorker:
         # engine stores into a node server's arena, or pinned memory); whether a step is open.
         self._arena: Any = None
         self._in_step = False
+        self._idle_step = False
         # Blend pipelines: the recompute path, and the staging cache the engine moves KV through
         # (None: the engine moves KV straight between its tiers and vLLM's blocks).
         self._blender: Any = None
@@ -254,6 +258,7 @@ class ConnectorWorker:
             self._in_step = True
         if self._engine is not None and isinstance(meta, FlowKVMetadata) and (meta.loads or meta.saves):
             self._step_trace(meta)
+        self._idle_step = isinstance(meta, FlowKVMetadata) and meta.idle
 
     def _step_trace(self, meta: FlowKVMetadata) -> StepTrace:
         """This step's trace root, opened by the first hook of the step that has work."""
@@ -515,6 +520,11 @@ class ConnectorWorker:
 
         if not self._async_loads or self._engine is None:
             return KVConnectorTransferResults()
+        if self._idle_step:
+            # Nothing else to compute: vLLM's next step would follow at once, and its step loop (the
+            # engine core and every rank's main thread) would take the cores and this process's GIL
+            # from the tier I/O thread the load waits for. A short wait paces it.
+            self._async_loads.wait_for_landing(self._engine, _IDLE_STEP_WAIT_S)
         done = self._async_loads.finish(self._engine, finished_req_ids)
         self._load_error_blocks |= done.error_blocks
         return KVConnectorTransferResults(finished_recving=done.recving, failed_recving=done.failed)
