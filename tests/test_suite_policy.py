@@ -151,6 +151,18 @@ def test_make_tests_workers_run_engine_modules_beside_the_others_each_whole_the_
     assert all(len(w) == 1 for w in shuffled.values()), shuffled
 
 
+def test_a_first_run_here_orders_the_modules_by_the_times_shipped_beside_conftest(tmp_path):
+    """A fresh clone (CI) has no record of its own: tests/module-seconds.json, shipped beside
+    conftest.py, hands out the longest of each kind first all the same."""
+    folder = suite(tmp_path / "shipped", WORKER_FILES)
+    (folder / "pytest.ini").write_text("[pytest]\nmarkers =\n    vllm: starts vLLM\n")
+    (folder / "module-seconds.json").write_text(json.dumps({"test_other2.py": 100.0, "test_engine1.py": 80.0}))
+    assert not (folder / "durations.json").exists()
+    out = run_pytest(folder, "-n", "2", "--dist", "loadgroup", ci=False)
+    assert first_on_each_worker(folder) == {"gw0": "engine1", "gw1": "other2"}
+    workers_of(out, folder)
+
+
 def test_xdists_own_loadgroup_does_not_group_under_this_pytest(tmp_path):
     """Why conftest.py schedules the workers itself: pytest-xdist 3.8's ``--dist loadgroup`` renames
     each marked test by assigning ``item._nodeid``, which pytest 9 no longer reads, so every test is a
