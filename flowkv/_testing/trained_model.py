@@ -437,9 +437,11 @@ def trained_model(root: str | os.PathLike[str] | None = None, *, progress: bool 
 
     ``root`` defaults to :func:`default_dir`. The folder's name carries the
     recipe digest, so a folder that exists and is complete is the model of
-    this recipe and is reused. The build goes to a temporary sibling first
-    (`flowkv._testing.tiny_model.build_folder`), so a crash or a concurrent
-    builder never leaves a half-written model.
+    this recipe and is reused; otherwise the shipped build (`SHIPPED_DIR`) is
+    copied there when it is this recipe's, else the model is trained. The
+    build goes to a temporary sibling first (`flowkv._testing.tiny_model.
+    build_folder`), so a crash never leaves a half-written model, and
+    concurrent builders take turns.
     """
     digest = recipe_digest()
     target = model_dir(root)
