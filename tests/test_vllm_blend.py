@@ -81,7 +81,7 @@ folder = "{traces}"
 """
 
 
-def start(pipeline: str | None = None):
+def start(pipeline: str | None = None, check_layers: tuple[int, ...] = (0,)):
     """An fp32 engine: with flowkv and ``pipeline`` (a blend pipeline file), or unconnected."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -92,7 +92,7 @@ def start(pipeline: str | None = None):
             kv_connector="FlowKVConnector", kv_connector_module_path="flowkv.integration.vllm", kv_role="kv_both",
             # Check layer 0: with the default (1), the last of the tiny model's two layers, every reused
             # token would be recomputed at every layer at any ratio above 0.
-            kv_connector_extra_config={"pipeline": pipeline, "blend.separator": SEPARATOR, "blend.check_layers": [0],
+            kv_connector_extra_config={"pipeline": pipeline, "blend.separator": SEPARATOR, "blend.check_layers": list(check_layers),
                                        "lookup_timeout_ms": LOOKUP_TIMEOUT_MS})
     saved = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     try:
@@ -271,6 +271,49 @@ def test_a_document_evicted_between_lookup_and_load_ends_the_blend_at_the_block_
     assert_same_greedy_up_to_ties(evicted, reference[tuple(REORDERED)], "ratio 1.0, D1 evicted")
     # The evicted piece (D1's first 256 tokens), recomputed by vLLM, was stored again.
     assert after["stored_tokens"] - before["stored_tokens"] == 256
+
+
+TRACED_BLEND = """
+extends = "blend"
+
+[pipeline]
+name = "blend-checks-test"
+
+[telemetry]
+exporter = "file"
+folder = "{traces}"
+"""
+
+
+def test_several_check_layers_narrow_the_tokens_that_go_on_gradually(tmp_path) -> None:
+    """``check_layers = [0, 1]`` at ratio 0.25: layer 0 keeps the half of the reused tokens whose K/V
+    deviate most (0.25 ** (1/2)), layer 1 a quarter of them (the ratio), and the recomputed counter
+    counts the last selection."""
+    from flowkv.integration.vllm import flush_worker_traces
+    from flowkv.otlp_json import load_spans
+
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    path = tmp_path / "blend-checks-test.toml"
+    path.write_text(TRACED_BLEND.format(traces=folder), encoding="utf-8")
+    llm = start(str(path), check_layers=(0, 1))
+    try:
+        run(llm, FIRST)  # stores the system prompt and the three documents
+        before = blend_counts(llm)
+        run(llm, REORDERED, ratio=0.25)
+        reused, recomputed = (after - was for after, was in zip(blend_counts(llm), before))
+        flush_worker_traces(llm.llm_engine.vllm_config)
+    finally:
+        shutdown_llm(llm)
+    spans = [span for file in sorted(folder.glob("*.json")) for span in load_spans(file)]
+    selects = [span for span in spans if span.name == "flowkv.blend.select"]
+    checks = sorted((span for span in spans if span.name == "flowkv.blend.check"),
+                    key=lambda span: span.attributes["flowkv.layer"])
+    assert [span.attributes["flowkv.layer"] for span in checks] == [0, 1]
+    moved = reused - len(SYSTEM)  # the system prompt sits where it was stored: only the documents moved
+    assert moved > 0 and [span.attributes["flowkv.tokens"] for span in checks] == [moved, -(-moved // 2)]
+    assert sorted(span.attributes["flowkv.selected_tokens"] for span in selects) == [-(-moved // 4), -(-moved // 2)]
+    assert recomputed == -(-moved // 4)
 
 
 def test_every_blend_step_has_its_span_under_the_requests_span(blend_llm) -> None:

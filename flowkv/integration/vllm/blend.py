@@ -270,12 +270,18 @@ class Blender:
                    ratio: float) -> tuple[int, int]:
         """Recompute reused tokens ``[reuse_from, end)`` into ``keys`` / ``values`` (the loaded
         ``[start, end)``, at ``slots`` of vLLM's blocks), layer by layer, writing each layer's fused
-        KV into vLLM's blocks; the number of tokens selected at the check layer, and of layers written."""
+        KV into vLLM's blocks; the number of tokens selected at the last check layer, and of layers written.
+
+        Each of the ``n`` check layers keeps the reused tokens whose K/V deviate most from the loaded
+        ones, narrowing gradually: after the i-th, ``ratio ** (i / n)`` of them go on (one check layer:
+        ``ratio``)."""
         model = self._model
-        check_layer = min(min(self._blend.check_layers), len(self._layers) - 1)
+        checks = [] if ratio >= 1.0 else sorted({min(layer, len(self._layers) - 1)
+                                                 for layer in self._blend.check_layers})
         ids = torch.tensor(list(token_ids[reuse_from:end]), dtype=torch.int64)
         positions = torch.arange(reuse_from, end, dtype=torch.int64)
         rows = positions - start  # rows of the reused tokens in keys / values
+        reused = len(rows)
         hidden = model.model.embed_tokens(ids)
         residual = None
         for index, layer in enumerate(self._layers):
@@ -290,16 +296,17 @@ class Blender:
                 q, k = attn.rotary_emb(positions, q, k)
                 k = k.reshape(len(rows), self._num_kv_heads, self._head_size).to(keys[index].dtype)
                 v = v.reshape(len(rows), self._num_kv_heads, self._head_size).to(values[index].dtype)
-            if index == check_layer and ratio < 1.0:
+            if index in checks:
                 with self._span("flowkv.blend.check", {"flowkv.layer": index, "flowkv.tokens": len(rows)}):
                     deviation = ((k.float() - keys[index][rows].float()).square().sum(dim=(1, 2))
                                  + (v.float() - values[index][rows].float()).square().sum(dim=(1, 2)))
-                # Every reused token's K/V of this layer is recomputed, and kept (up to here every
-                # layer recomputed them all: they are a full prefill's, not the loaded ones).
+                # Every token that got here has this layer's K/V recomputed, and kept (up to the first
+                # check every layer recomputed them all: they are a full prefill's, not the loaded ones).
                 keys[index][rows] = k
                 values[index][rows] = v
                 with self._span("flowkv.blend.select", {"flowkv.recompute_ratio": ratio}) as span:
-                    keep = max(1, math.ceil(ratio * len(rows)))
+                    share = ratio ** ((checks.index(index) + 1) / len(checks))
+                    keep = min(len(rows), max(1, math.ceil(share * reused)))
                     selected = torch.sort(torch.topk(deviation, keep).indices).values
                     span.set_attribute("flowkv.selected_tokens", int(keep))
                     # From here on only the selected tokens go on.
