@@ -392,12 +392,15 @@ class _CountRowCopies(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_store_gathers_into_the_mapped_pages_in_one_copy(server, pipeline, monkeypatch):
-    """The server hands a request's rooms out back to back: the store fills all of them with one copy."""
+def test_a_store_gathers_into_the_mapped_pages_in_one_copy(node_servers, tmp_path, monkeypatch):
+    """The server hands a request's rooms out back to back: the store fills all of them with one copy.
+    A server of its own: the module's shared one, after other tests in another order (--shuffle), has
+    its free pages in pieces, and rooms that are not back to back take a copy each."""
     from flowkv.kernels import torch_kv
 
+    own = node_servers("one-copy")
     monkeypatch.setattr(torch_kv, "NUMPY_GATHER", False)  # the copy as one countable index_select
-    e = engine(pipeline, "one-copy")
+    e = engine(node_pipeline(tmp_path, own.socket), "one-copy")
     try:
         ids, src = tokens(70000), kv_for(7)
         with _CountRowCopies() as counted:
