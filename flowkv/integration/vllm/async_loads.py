@@ -100,12 +100,17 @@ class AsyncLoads:
         deadline = time.monotonic() + limit_s
         while True:
             now = time.monotonic()
-            if any(p.load.lookup_id is None or now - p.since >= self._wait_limit_s
-                   or not engine.prefetch_pending(p.load.lookup_id) for p in self._pending.values()):
+            if any(self._due(engine, pending, now) for pending in self._pending.values()):
                 return True
             if now >= deadline:
                 return False
             time.sleep(min(_LANDING_POLL_S, deadline - now))
+
+    def _due(self, engine: Any, pending: _Pending, now: float) -> bool:
+        """Whether ``finish`` settles this load now: its prefetch landed, or was waited for long enough."""
+        load = pending.load
+        return (load.lookup_id is None or not engine.prefetch_pending(load.lookup_id)
+                or now - pending.since >= self._wait_limit_s)
 
     def finish(self, engine: Any, finished_req_ids: set[str]) -> Finished:
         """Copy in the loads whose chunks landed; drop those of requests vLLM finished (aborted)."""
@@ -113,11 +118,10 @@ class AsyncLoads:
         now = time.monotonic()
         for req_id, pending in list(self._pending.items()):
             load = pending.load
-            landed = load.lookup_id is None or not engine.prefetch_pending(load.lookup_id)
             if req_id in finished_req_ids:
                 loaded_to = load.end
                 self._release(engine, load)
-            elif not landed and now - pending.since < self._wait_limit_s:
+            elif not self._due(engine, pending, now):
                 continue
             elif self._held_to(engine, load) < load.end:
                 # A chunk went (a corrupt file is dropped when the prefetch reads it): vLLM will
