@@ -46,8 +46,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .affinity import other_cores, process_cores, set_thread_cores
-
+from .affinity import other_cores, set_thread_cores
 from .geometry import dense_order
 from .probe import note_row_bytes
 
@@ -82,9 +81,13 @@ PIECE_BYTES = 32 << 20
 MIN_PIECE_BYTES = 1 << 20
 # Whether a copy made on the main thread may use the helper threads.
 USE_HELPER = True
-# Most helper threads (the caller copies too); fewer when fewer cores are free (`helper_cores`).
+# Most helper threads (the caller copies too); fewer when fewer cores are free. Inside vLLM's CPU
+# worker the thread that calls the connector is the OpenMP master, pinned to the first core of
+# VLLM_CPU_OMP_THREADS_BIND: helpers it started would share that core and copy nothing in
+# parallel, so they go to the process's other cores (`affinity.other_cores`), where vLLM's
+# OpenMP workers wait while the connector copies between forward passes.
 MAX_HELPERS = 3
-# "free": the helpers run off the cores their creator is pinned to (`helper_cores`);
+# "free": the helpers run off the cores their creator is pinned to (`affinity.other_cores`);
 # "inherit": where their creator runs, as threads do (before; for measuring the difference).
 HELPER_AFFINITY = "free"
 
@@ -274,22 +277,6 @@ class _Job:
             raise self.error
 
 
-_set_thread_cores = set_thread_cores
-_process_cores = process_cores
-
-
-def helper_cores() -> set[int] | None:
-    """The cores for copy helpers that the calling thread starts, or None to leave them on
-    the caller's (there is nothing else, or the caller is not pinned).
-
-    Inside vLLM's CPU worker the thread that calls the connector is the OpenMP master,
-    pinned to the first core of ``VLLM_CPU_OMP_THREADS_BIND``: helpers it started would
-    share that core and copy nothing in parallel. They go to the process's other cores
-    instead (`flowkv.affinity.other_cores`), where vLLM's OpenMP workers wait while the
-    connector copies between forward passes."""
-    return other_cores()
-
-
 def _helped() -> bool:
     """Whether a copy by this thread is shared with helpers: only the main thread's. A copy
     on a side thread (layerwise) already overlaps the model's compute, and a helper would
@@ -306,7 +293,7 @@ class RowCopier:
     piece itself, where a parallel region of torch's would wait for a core at its barrier
     (measured here: a gather of 64 rows took 8 ms with two OpenMP threads, 8 us with one).
     When cores are free, the helpers take their share. numpy releases the GIL while it
-    copies. One helper per free core (see `helper_cores`), at most ``MAX_HELPERS``.
+    copies. One helper per free core, at most ``MAX_HELPERS``.
     """
 
     def __init__(self) -> None:
@@ -322,7 +309,7 @@ class RowCopier:
 
     def _serve(self, cores: set[int] | None, placed: threading.Event) -> None:
         if cores:
-            _set_thread_cores(cores)
+            set_thread_cores(cores)
         placed.set()
         while True:
             done = self._jobs.get().work(helper=True)
@@ -330,7 +317,7 @@ class RowCopier:
                 self.helper_pieces += done
 
     def _start(self) -> None:
-        cores = helper_cores() if HELPER_AFFINITY == "free" else None
+        cores = other_cores() if HELPER_AFFINITY == "free" else None
         self.cores = sorted(cores) if cores else None
         free = len(cores) if cores else max(1, len(os.sched_getaffinity(0)) - 1)
         for i in range(max(1, min(MAX_HELPERS, free))):
@@ -367,7 +354,7 @@ class RowCopier:
 
 
 #: The copier the kernels use. Its helpers start with its first copy, placed by the thread
-#: that makes it (`helper_cores`); a benchmark swaps in a fresh one for each condition.
+#: that makes it (`affinity.other_cores`); a benchmark swaps in a fresh one for each condition.
 copier = RowCopier()
 
 

@@ -572,13 +572,13 @@ def _pinned_copy(monkeypatch, affinity: str):
 def test_copy_helpers_started_by_a_pinned_thread_run_off_its_core(monkeypatch):
     """vLLM pins its worker thread to one core; the copy helpers that thread starts would
     inherit that core and copy nothing in parallel. They go to the other cores."""
-    from flowkv.kernels import torch_kv
+    from flowkv.kernels import affinity, torch_kv
 
     copier, caller_core, helper_cores = _pinned_copy(monkeypatch, "free")
     others = sorted(set(os.sched_getaffinity(0)) - {caller_core})
     assert copier.cores is not None and caller_core not in copier.cores and set(others) <= set(copier.cores)
     # never outside the cores the process's threads may use (taskset)
-    assert set(copier.cores) <= torch_kv._process_cores()
+    assert set(copier.cores) <= affinity.process_cores()
     assert all(cores == set(copier.cores) for cores in helper_cores), helper_cores
     # one helper per free core, at most MAX_HELPERS
     assert copier.helpers == min(torch_kv.MAX_HELPERS, len(copier.cores))

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flowkv.kernels.affinity import threads_elsewhere
 from flowkv.calls import KVTransfer
 from flowkv.integration._ipc import LookupServer
 from flowkv.integration.vllm.async_loads import AsyncLoads
@@ -37,6 +36,7 @@ from flowkv.integration.vllm.metadata import FlowKVMetadata, LoadSpec, SaveSpec,
 from flowkv.integration.vllm.query import answer
 from flowkv.integration.vllm.settings import ConnectorSettings, Instance
 from flowkv.integration.vllm.tracing import StepTrace
+from flowkv.kernels.affinity import threads_elsewhere
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -142,7 +142,7 @@ class ConnectorWorker:
 
         vLLM calls this on the thread that drives the model, pinned to one core: the threads
         the engine, the lookup server and the fleet link start (and those they start later) run
-        on the process's other cores (`flowkv.affinity`), not beside that thread."""
+        on the process's other cores (`flowkv.kernels.affinity`), not beside that thread."""
         with threads_elsewhere():
             self._register_kv_caches(kv_caches)
 
