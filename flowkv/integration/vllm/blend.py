@@ -15,10 +15,11 @@ forward pass that reads it):
 3. **recompute**: the reused tokens (all but an exact prefix: tokens vLLM
    computed, and the first segment when it sits where it was stored) run
    through the model's own modules. Layers before the first check layer and
-   the check layer itself recompute every reused token (and keep what they
-   recompute); at the check layer the ``recompute_ratio`` share whose K/V
-   deviates most from the loaded K/V is selected, and only those go on, layer
-   by layer, attending over the fused KV
+   the first check layer recompute every reused token (and keep what they
+   recompute); each check layer (``check_layers``) keeps the tokens whose K/V
+   deviates most from the loaded K/V, narrowing to the ``recompute_ratio``
+   share at the last one (``ratio ** (i / n)`` after the i-th of n), and only
+   those go on, layer by layer, attending over the fused KV
    (exact prefix, loaded segments, tokens recomputed so far). vLLM's ``attn``
    modules are never called (they write vLLM's cache and re-enter the
    connector's hooks), and weights are never read (vLLM's CPU backend empties
@@ -300,10 +301,11 @@ class Blender:
                 with self._span("flowkv.blend.check", {"flowkv.layer": index, "flowkv.tokens": len(rows)}):
                     deviation = ((k.float() - keys[index][rows].float()).square().sum(dim=(1, 2))
                                  + (v.float() - values[index][rows].float()).square().sum(dim=(1, 2)))
-                # Every token that got here has this layer's K/V recomputed, and kept (up to the first
-                # check every layer recomputed them all: they are a full prefill's, not the loaded ones).
-                keys[index][rows] = k
-                values[index][rows] = v
+            # Every token that got here has this layer's K/V recomputed, and kept (up to the first check
+            # every layer recomputed them all: at a check layer they are a full prefill's, not the loaded ones).
+            keys[index][rows] = k
+            values[index][rows] = v
+            if index in checks:
                 with self._span("flowkv.blend.select", {"flowkv.recompute_ratio": ratio}) as span:
                     share = ratio ** ((checks.index(index) + 1) / len(checks))
                     keep = min(len(rows), max(1, math.ceil(share * reused)))
@@ -312,8 +314,6 @@ class Blender:
                     # From here on only the selected tokens go on.
                     q, k, v = q[selected], k[selected], v[selected]
                     rows, positions, residual = rows[selected], positions[selected], residual[selected]
-            keys[index][rows] = k
-            values[index][rows] = v
             with self._span("flowkv.blend.write", {"flowkv.layer": index, "flowkv.tokens": end - start}):
                 # The fused KV of this layer (vLLM's prefix is there already): what the attention reads.
                 write_tokens(self._layout, layer.kv_cache, slots, keys[index], values[index])
