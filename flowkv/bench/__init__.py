@@ -40,6 +40,13 @@ def chosen(text: str, known: Sequence[str], option: str) -> list[str]:
     return names
 
 
+def positive(args: argparse.Namespace, names: Sequence[str]) -> None:
+    """Raise ValueError naming the first of the options ``names`` (attribute names) that is not positive."""
+    for name in names:
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+
+
 def best_seconds(step: Callable[[], object], repeats: int, *, before: Callable[[], object] | None = None,
                  after: Callable[[], object] | None = None) -> float:
     """Best seconds of ``step`` over ``repeats`` runs after one untimed warm-up run;
@@ -66,10 +73,10 @@ def expect_tokens(got: int, want: int, what: str) -> None:
 
 
 def report(results: dict[str, Any], args: argparse.Namespace, *, table: Callable[[dict[str, Any]], None],
-           plot: Callable[[dict[str, Any], str], None]) -> int:
-    """A benchmark's ending: the plot when ``--plot`` names a file, then the figures printed, as
-    ``table`` prints them or (``--json``) as JSON. Returns 0, the exit status."""
-    if args.plot:
+           plot: Callable[[dict[str, Any], str], None] | None = None) -> int:
+    """A benchmark's ending: the plot when ``--plot`` names a file (for a benchmark that draws one),
+    then the figures printed, as ``table`` prints them or (``--json``) as JSON. Returns 0, the exit status."""
+    if plot is not None and args.plot:
         plot(results, args.plot)
     if args.json:
         print(json.dumps(results, indent=2))

@@ -51,7 +51,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from flowkv.bench import report, serve
+from flowkv.bench import positive, report, serve
 
 __all__ = ["CONFIGS", "add_arguments", "run"]
 
@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table (or JSON). Returns the exit status."""
     try:
         levels = serve.positive_ints(args.concurrency, "--concurrency")
-        serve.positive(args, ("docs", "asks", "doc_tokens", "question_tokens", "output_tokens", "pool_docs",
+        positive(args, ("docs", "asks", "doc_tokens", "question_tokens", "output_tokens", "pool_docs",
                               "repeats"))
         ids = cores(args.cores)
         if len(ids) < 2:

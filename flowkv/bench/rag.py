@@ -47,7 +47,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flowkv.bench import report
+from flowkv.bench import chosen, positive, report
 from flowkv.integration.harness import flowkv_config, setup_environment, shutdown
 
 RATIOS = (0.0, 0.05, 0.15, 0.3, 1.0)
@@ -128,13 +128,8 @@ def _check(args: argparse.Namespace) -> tuple[list[float], list[str]]:
         raise ValueError(f"--ratios must be comma-separated numbers in 0..1, got {args.ratios!r}") from None
     if not ratios or not all(0.0 <= r <= 1.0 for r in ratios):
         raise ValueError(f"--ratios must be comma-separated numbers in 0..1, got {args.ratios!r}")
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    known = (NO_CACHE, PREFIX, "flowkv blend")
-    if not configs or any(c not in known for c in configs):
-        raise ValueError(f"--configs takes {', '.join(known)}; got {args.configs!r}")
-    for name in ("pool", "k", "doc_tokens", "system_tokens", "question_tokens", "prompts", "repeats", "max_tokens"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    configs = chosen(args.configs, (NO_CACHE, PREFIX, "flowkv blend"), "--configs")
+    positive(args, ("pool", "k", "doc_tokens", "system_tokens", "question_tokens", "prompts", "repeats", "max_tokens"))
     if args.k > args.pool:
         raise ValueError(f"--k ({args.k}) cannot exceed --pool ({args.pool})")
     if args.system_tokens <= len(SEPARATOR) or args.doc_tokens <= len(SEPARATOR):

@@ -52,7 +52,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from flowkv.bench import chosen, report
+from flowkv.bench import chosen, positive, report
 from flowkv.integration.harness import DEMO_MODEL, default_model_dir, kv_bytes_per_token, setup_environment
 
 __all__ = ["CONFIGS", "EAGER_HELP", "Server", "add_arguments", "add_workload_arguments", "answers", "bench_model",
@@ -311,13 +311,6 @@ def round_range(runs: list[dict[str, Any]], keys: tuple[str, ...] = _SPREAD) -> 
 
 
 # -- the benchmark ------------------------------------------------------------------------------------
-
-
-def positive(args: argparse.Namespace, names: tuple[str, ...]) -> None:
-    """Raise ValueError naming the first of the options ``names`` that is not positive."""
-    for name in names:
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive")
 
 
 def bench_model(model_dir: str) -> Path:

@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flowkv.bench import chosen, report
+from flowkv.bench import chosen, positive, report
 from flowkv.bench.rounds import Workload, kv_bytes_per_token
 
 __all__ = ["CONFIGS", "add_arguments", "run", "summarize"]
@@ -95,7 +95,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                        "gives their transfer stages' GB/s")
     parser.add_argument("--eager", action="store_true", help="vLLM without compiling (a quick look, not figures)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
-    parser.add_argument("--plot", help=argparse.SUPPRESS)
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one configuration, in this process
     parser.add_argument("--workload", help=argparse.SUPPRESS)
 
@@ -120,9 +119,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_child(args)
     try:
         configs = chosen(args.configs, CONFIGS, "--configs")
-        for name in ("docs", "doc_tokens", "question_tokens", "repeats"):
-            if getattr(args, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        positive(args, ("docs", "doc_tokens", "question_tokens", "repeats"))
         if not 1 <= args.pool_docs < args.docs:
             raise ValueError("--pool-docs must be at least 1 (one request) and fewer than --docs (else vLLM alone hits)")
     except ValueError as exc:
@@ -154,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
                     answer = None
                 results["runs"][name].append(answer)
     summarize(results)
-    return report(results, args, table=_print, plot=lambda *_: None)
+    return report(results, args, table=_print)
 
 
 # -- one configuration, in a process of its own --------------------------------------------------------
