@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -182,3 +184,43 @@ def test_a_tiny_table_for_real(capsys, tmp_path, own_environment, engines_in_thi
     for cell in stages.values():
         assert cell["gbps"][1] <= cell["gbps"][0] <= cell["gbps"][2]
         assert cell["x_copy"] == pytest.approx(cell["gbps"][0] / results["transfers"]["copy_gbps"][0])
+
+
+KILLED_PEER = """#!{python}
+# Stands in for a configuration's process killed with -9 in the middle of its rounds: it starts a process of
+# its own group first (as vLLM's engine core and workers are), says which, and is killed before answering.
+import os, signal, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+open({pid_file!r}, "w").write(str(child.pid))
+print("round 1 of 2 under way", flush=True)
+time.sleep(0.2)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_configuration_killed_mid_run_is_a_failed_round_and_leaves_no_process_of_its_group(
+        capsys, tmp_path, own_environment):
+    """A configuration's process killed with SIGKILL mid-run: its rounds are reported failed with the exit
+    status, the table still prints, and what it started in its process group is stopped with it."""
+    import signal
+    import sys
+
+    from flowkv.cli import main
+
+    pid_file = tmp_path / "engine.pid"
+    python = tmp_path / "python"
+    python.write_text(KILLED_PEER.format(python=sys.executable, pid_file=str(pid_file)))
+    python.chmod(0o755)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 100}))
+    assert main(["bench", "side-by-side", "--configs", "LMCache MP", "--docs", "3", "--repeats", "2",
+                 "--model-dir", str(model), "--lmcache-python", str(python), "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    why = results["failed"]["LMCache MP"]
+    assert len(why) == 2 and all(w.startswith(f"exit {-signal.SIGKILL}") for w in why), why
+    assert results["rows"]["LMCache MP"]["runs"] == 0 and results["runs"]["LMCache MP"] == [None, None]
+    # Stopped with its group, not left running: gone, or dead and waiting for init (its parent was
+    # killed) to reap it.
+    stat = Path(f"/proc/{int(pid_file.read_text())}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")

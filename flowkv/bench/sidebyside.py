@@ -179,18 +179,21 @@ def _one(name: str, args: argparse.Namespace, model: Path, workload_file: Path, 
             command += ["--trace", str(Path(args.trace) / f"{name.replace(' ', '-')}-{round_index + 1}")]
     if args.eager:
         command.append("--eager")
-    with tempfile.TemporaryFile("w+", encoding="utf-8") as log:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
-                                start_new_session=True)
+    # Output to files, not pipes: the child's engine processes inherit its stdout, and a pipe would
+    # stay open (the parent waiting on it) as long as they outlive a child that was killed.
+    with tempfile.TemporaryFile("w+", encoding="utf-8") as out, \
+            tempfile.TemporaryFile("w+", encoding="utf-8") as log:
+        proc = subprocess.Popen(command, stdout=out, stderr=log, text=True, env=env, start_new_session=True)
         try:
-            out, _ = proc.communicate(timeout=_CHILD_S)
+            proc.wait(timeout=_CHILD_S)
         except subprocess.TimeoutExpired:
-            out = ""
+            pass
         finally:
             from flowkv.bench.serve import stop_group
 
             stop_group(proc, timeout_s=30)  # vLLM's engine processes too
-        lines = [line for line in out.splitlines() if line.startswith("{")]
+        out.seek(0)
+        lines = [line for line in out.read().splitlines() if line.startswith("{")]
         if proc.returncode == 0 and lines:
             return json.loads(lines[-1])
         log.seek(0)
