@@ -313,3 +313,25 @@ def test_the_console_exporter_prints_every_stage_span(tmp_path):
     gather_span = spans[names.index("gather")]
     assert gather_span["attributes"]["flowkv.request_id"] == "r1"
     assert gather_span["attributes"]["flowkv.bytes"] == 64 * 2 * 2 * 2 * 16 * 2
+
+
+# -- every flowkv line of the README, as typed ------------------------------------------------
+
+
+def test_every_flowkv_command_in_the_readme_is_one_the_cli_takes():
+    """Each ``flowkv ...`` line of the README's bash blocks, split as a shell splits it, parses with the
+    CLI's own parser (running them all would take hours: the long ones run at small sizes elsewhere).
+    A renamed or dropped option, or a subcommand that went, fails here."""
+    from vllm_server import README, shell_commands
+
+    from flowkv.cli import build_parser
+
+    commands = [(line, argv) for line, argv in shell_commands(README.read_text(encoding="utf-8"))
+                if argv[0] == "flowkv"]
+    assert len(commands) >= 30
+    for line, argv in commands:
+        argv = [arg for arg in argv[1:] if not (arg.startswith("[") and arg.endswith("]"))]  # "[--json]": optional
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit as exc:
+            pytest.fail(f"README.md:{line}: `flowkv {' '.join(argv)}` is refused by the CLI (exit {exc.code})")
