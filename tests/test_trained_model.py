@@ -111,3 +111,34 @@ def test_the_shipped_build_is_copied_where_its_recipe_matches(tmp_path):
     assert path == tm.model_dir(tmp_path) and tm._is_complete(path, tm.recipe_digest())
     for name in tm._REQUIRED_FILES:
         assert (path / name).read_bytes() == (tm.SHIPPED_DIR / name).read_bytes(), name
+
+
+def test_asked_to_train_it_trains_though_a_shipped_build_matches(tmp_path, monkeypatch):
+    """``train=True`` (``--ship``) and ``FLOWKV_TRAIN=1`` never take the shipped copy: they train."""
+
+    class Trained(Exception):
+        pass
+
+    def training(staging, digest, progress):
+        raise Trained
+
+    monkeypatch.setattr(tm, "_build", training)
+    with pytest.raises(Trained):
+        tm.trained_model(tmp_path / "a", progress=False, train=True)
+    monkeypatch.setenv("FLOWKV_TRAIN", "1")
+    with pytest.raises(Trained):
+        tm.trained_model(tmp_path / "b", progress=False)
+
+
+def test_ship_replaces_the_shipped_copy_with_a_complete_build_only(tmp_path, monkeypatch):
+    build = tm.trained_model(tmp_path / "built", progress=False)  # this recipe's (the shipped build, copied)
+    monkeypatch.setattr(tm, "SHIPPED_DIR", tmp_path / "shipped")
+    (tmp_path / "shipped").mkdir()
+    (tmp_path / "shipped" / "stale.bin").write_bytes(b"old")
+    assert tm.ship(build) == tmp_path / "shipped"
+    assert sorted(p.name for p in (tmp_path / "shipped").iterdir()) == sorted(
+        [*tm._REQUIRED_FILES, "generation_config.json"])
+    assert tm._is_complete(tmp_path / "shipped", tm.recipe_digest())
+    (build / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="not a complete build"):
+        tm.ship(build)

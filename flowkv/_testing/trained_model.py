@@ -432,7 +432,7 @@ def report(path: str | os.PathLike[str]) -> dict[str, Any]:
 SHIPPED_DIR = Path(__file__).with_name("trained-llama")
 
 
-def trained_model(root: str | os.PathLike[str] | None = None, *, progress: bool = True) -> Path:
+def trained_model(root: str | os.PathLike[str] | None = None, *, progress: bool = True, train: bool = False) -> Path:
     """Build (once) the trained reference model under ``root`` and return its folder.
 
     ``root`` defaults to :func:`default_dir`. The folder's name carries the
@@ -447,7 +447,7 @@ def trained_model(root: str | os.PathLike[str] | None = None, *, progress: bool 
     target = model_dir(root)
     if _is_complete(target, digest):
         return target
-    if _is_complete(SHIPPED_DIR, digest) and os.environ.get("FLOWKV_TRAIN") != "1":
+    if not train and os.environ.get("FLOWKV_TRAIN") != "1" and _is_complete(SHIPPED_DIR, digest):
         return build_folder(target, lambda folder: _is_complete(folder, digest), _copy_shipped)
     return build_folder(target, lambda folder: _is_complete(folder, digest),
                         lambda staging: _build(staging, digest, progress))
@@ -540,13 +540,15 @@ def _main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", help=f"models folder (default {default_dir()})")
     parser.add_argument("--quiet", action="store_true", help="no progress bar, print only the folder")
     parser.add_argument("--ship", action="store_true",
-                        help=f"train it (even where a shipped copy matches) and replace the shipped copy in {SHIPPED_DIR}")
+                        help=f"train it anew (in a temporary folder) and make it the shipped copy in {SHIPPED_DIR}")
     args = parser.parse_args(argv)
     if args.ship:
-        os.environ["FLOWKV_TRAIN"] = "1"
-    path = trained_model(args.root, progress=not args.quiet)
-    if args.ship:
-        print(f"shipped: {ship(path)}")
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="flowkv-ship-") as folder:
+            path = ship(trained_model(folder, progress=not args.quiet, train=True))
+    else:
+        path = trained_model(args.root, progress=not args.quiet)
     if args.quiet:
         print(path)
         return 0
