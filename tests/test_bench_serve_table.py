@@ -75,3 +75,31 @@ def test_the_printed_table_has_a_row_per_configuration_with_its_median_and_range
     assert rows["local-cpu"][2:6] == ["3.00", "2.50-3.50", "1.50x", "0.75x"]
     assert rows["local-cpu"][-2:] == ["512", "6"]
     assert lines[-1] == "cpu-disk: failed: at concurrency 2: the server died"
+
+
+GROUP_THAT_IGNORES_SIGTERM = """
+import signal, subprocess, sys, time
+# A member that ignores SIGTERM (as a busy engine process may take its time): only SIGKILL stops it.
+subprocess.Popen([sys.executable, "-c",
+                  "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                  "time.sleep(600)"])
+time.sleep(600)
+"""
+
+
+def test_stop_group_returns_once_no_member_of_the_group_is_running():
+    """``stop_group`` sends signals and then waits until they took effect: when it returns, nothing of the
+    group still runs (the next configuration does not start beside a process tearing down its memory)."""
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", GROUP_THAT_IGNORES_SIGTERM], start_new_session=True)
+    deadline = time.monotonic() + 60
+    while len(serve.group_running(proc.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    members = serve.group_running(proc.pid)
+    assert proc.pid in members and len(members) == 2, members
+    serve.stop_group(proc, timeout_s=0.5)
+    assert serve.group_running(proc.pid) == []
+    assert proc.returncode == -15  # the leader took SIGTERM

@@ -57,7 +57,7 @@ from flowkv.integration.harness import DEMO_MODEL, default_model_dir, kv_bytes_p
 
 __all__ = ["CONFIGS", "EAGER_HELP", "Server", "add_arguments", "add_workload_arguments", "answers", "bench_model",
            "client", "figures", "median_run", "model_len", "positive", "positive_ints", "round_range", "run",
-           "stop_group", "summarize", "transfer_config"]
+           "group_running", "stop_group", "summarize", "transfer_config"]
 
 CONFIGS = ("none", "ceiling", "local-cpu", "cpu-disk", "example")
 # Configurations without a connector: vLLM's own prefix cache, a small pool or one holding every document.
@@ -243,6 +243,28 @@ def stop_group(proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    # A signal is sent, not yet acted on: wait (bounded) until no member of the group is still running,
+    # so the next configuration does not start beside an engine still tearing down its memory.
+    deadline = time.monotonic() + 10.0
+    while group_running(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def group_running(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` not yet dead (a zombie left for its new parent to reap counts as
+    dead), from ``/proc``."""
+    running = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # After the command name's closing parenthesis: state, ppid, pgrp, ...
+            state, _ppid, pgrp = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):
+            continue  # gone while we looked
+        if int(pgrp) == pgid and state not in ("Z", "X"):
+            running.append(int(entry.name))
+    return running
 
 
 # -- the client ------------------------------------------------------------------------------------
