@@ -273,6 +273,36 @@ def test_a_hit_below_memory_loads_asynchronously_and_memory_hits_do_not(tmp_path
     assert off.get_num_new_matched_tokens(vllm_request("disk-2", cold), 0) == (4 * CHUNK, False)
 
 
+def test_a_request_ended_before_its_accepted_load_was_sent_leaves_no_pin():
+    """vLLM accepted an asynchronous load (its blocks allocated), then the request ended (a client that hung
+    up) before the next step's metadata could send the load: the lookup's pins go at once, not at their
+    deadline; a load that was sent is released by its retrieve, not twice."""
+    engine = worker_engine()
+    doc = tokens(4 * CHUNK + 1, seed=9)
+    store(engine, doc)
+    connector = scheduler(engine, async_loads="always")
+    request = vllm_request("gone", doc)
+    assert connector.get_num_new_matched_tokens(request, 0) == (4 * CHUNK, True)
+    lookup_id = connector._requests["gone"].answer.lookup_id
+    assert engine.storage.holds_pins(lookup_id)
+    connector.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5, 6, 7, 8],)),
+                                       4 * CHUNK)
+    assert engine.storage.holds_pins(lookup_id)  # accepted: the retrieve will release them
+    connector.request_finished(request, [])
+    assert not engine.storage.holds_pins(lookup_id)
+    assert connector.build_connector_meta(output()).loads == []
+
+    kept = vllm_request("kept", doc)
+    assert connector.get_num_new_matched_tokens(kept, 0) == (4 * CHUNK, True)
+    lookup_id = connector._requests["kept"].answer.lookup_id
+    connector.update_state_after_alloc(kept, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5, 6, 7, 8],)),
+                                       4 * CHUNK)
+    [load] = connector.build_connector_meta(output()).loads
+    assert load.lookup_id == lookup_id and engine.storage.holds_pins(lookup_id)
+    connector.request_finished(kept, [])  # ended while its load runs: the worker's retrieve releases them
+    assert engine.storage.holds_pins(lookup_id)
+
+
 @pytest.mark.parametrize("keyer, ships_hashes", [("house_keys", True), ("content_keys", False)])
 def test_a_third_party_keyer_gets_hashes_shipped_only_when_it_declares_it_accepts_them(tmp_path, keyer, ships_hashes):
     # The scheduler decides by what the keyer declares (flowkv.registry.StageInfo.accepts_hashes), not by its name.

@@ -491,6 +491,12 @@ class ConnectorScheduler:
         self._attentive.discard(request.request_id)
         if state is not None:
             self._drop_answer(state)
+            if state.pending_load is not None:
+                # A load vLLM accepted that never went to the worker (an asynchronous one is sent in the next
+                # step's metadata, and a request ended before it is not): no retrieve will drop its pins.
+                if state.pending_load.lookup_id is not None and self._lookup_client is not None:
+                    self._lookup_client.tell({"op": "release", "lookup_id": state.pending_load.lookup_id})
+                state.pending_load = None
         if self._saves and wants_remote_decode(request.kv_transfer_params):
             stored = state.stored_end if state is not None and not state.skip_save else 0
             return False, prefill_answer(stored)
