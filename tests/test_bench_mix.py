@@ -17,7 +17,7 @@ import pytest
 
 import vllm  # noqa: F401,E402 - a broken vLLM install fails these tests; it never skips them
 
-from vllm_helpers import tiny_model_dir  # noqa: E402
+from vllm_helpers import engine_processes, tiny_model_dir  # noqa: E402
 
 from flowkv.bench import mix  # noqa: E402
 from flowkv.cli import main  # noqa: E402
@@ -38,7 +38,9 @@ def test_a_row_per_setting_every_request_sent_and_every_document_a_hit(capsys):
             "--memory-docs", "1", "--disk-docs", str(DISK_DOCS), "--doc-tokens", str(DOC_TOKENS),
             "--memory-clients", str(MEMORY_CLIENTS), "--disk-clients", str(DISK_CLIENTS),
             "--requests", str(REQUESTS), "--output-tokens", "2", "--eager", "--json"]
-    assert main(argv) == 0
+    # vLLM's engine core runs the model itself (no worker process): a start ~10 s sooner (tests/vllm_server.py)
+    with engine_processes(separate=False):
+        assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     rows = result["settings"]
     assert [row["async_loads"] for row in rows] == list(SETTINGS)

@@ -32,11 +32,12 @@ BLOCK = 128
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     import vllm  # noqa: F401 - a broken vLLM install fails these tests; it never skips them
-    from vllm_helpers import tiny_model_dir
+    from vllm_helpers import engine_processes, tiny_model_dir
 
     folder = tmp_path_factory.mktemp("bench-pd")
     buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
+    # vLLM's engine core runs the model itself (no worker process): a start ~10 s sooner (tests/vllm_server.py)
+    with contextlib.redirect_stdout(buffer), engine_processes(separate=False):
         status = main(["bench", "pd", "--model-dir", str(tiny_model_dir()), "--concurrency", str(LEVEL),
                        "--repeats", str(ROUNDS), "--docs", str(DOCS), "--asks", str(ASKS), "--doc-tokens", "512",
                        "--question-tokens", "16", "--output-tokens", "4", "--pool-docs", "3", "--dtype", "float32",

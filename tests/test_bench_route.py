@@ -16,7 +16,7 @@ import pytest
 
 import vllm  # noqa: F401,E402 - a broken vLLM install fails these tests; it never skips them
 
-from vllm_helpers import tiny_model_dir  # noqa: E402
+from vllm_helpers import engine_processes, tiny_model_dir  # noqa: E402
 
 from flowkv.bench import route  # noqa: E402
 from flowkv.cli import main  # noqa: E402
@@ -30,7 +30,9 @@ MODES = ["round-robin", "flowkv route"]
 def test_both_modes_send_every_request_and_hit_only_whole_repeated_documents(capsys):
     argv = ["bench", "route", "--model-dir", str(tiny_model_dir()), "--documents", str(DOCUMENTS),
             "--doc-tokens", str(DOC_TOKENS), "--repeats", str(REPEATS), "--concurrency", "1", "--eager", "--json"]
-    assert main(argv) == 0
+    # vLLM's engine core runs the model itself (no worker process): a start ~10 s sooner (tests/vllm_server.py)
+    with engine_processes(separate=False):
+        assert main(argv) == 0
     results = json.loads(capsys.readouterr().out)
     assert list(results) == MODES
 

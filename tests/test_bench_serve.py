@@ -19,7 +19,7 @@ import pytest
 
 import vllm  # noqa: F401,E402 - a broken vLLM install fails these tests; it never skips them
 
-from vllm_helpers import tiny_model_dir  # noqa: E402
+from vllm_helpers import engine_processes, tiny_model_dir  # noqa: E402
 
 from flowkv.bench import serve  # noqa: E402
 from flowkv.cli import main  # noqa: E402
@@ -35,7 +35,8 @@ CONFIGS = ("none", "ceiling", "local-cpu")
 def results(tmp_path_factory):
     logs = tmp_path_factory.mktemp("bench-serve")
     buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
+    # vLLM's engine core runs the model itself (no worker process): a start ~10 s sooner (tests/vllm_server.py)
+    with contextlib.redirect_stdout(buffer), engine_processes(separate=False):
         status = main(["bench", "serve", "--model-dir", str(tiny_model_dir()), "--configs", ",".join(CONFIGS),
                        "--concurrency", ",".join(map(str, LEVELS)), "--repeats", str(ROUNDS), "--docs", "3", "--asks", "2",
                        "--doc-tokens", "512", "--question-tokens", "16", "--output-tokens", "4",

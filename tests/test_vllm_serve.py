@@ -101,7 +101,7 @@ def test_sigterm_with_a_shutdown_timeout_drains_stores_and_leaves_no_socket(tmp_
     # two-core machine a worker's exit (flowkv's flush and close, then the interpreter's) was seen to take
     # longer, and vLLM then logs no "all workers exited gracefully". The README tells users to raise it there.
     server = VllmServer(tmp_path / "server", args=["--shutdown-timeout", "60"],
-                        env={"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "60"},
+                        env={"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "60"}, worker_process=True,
                         kv_extra={"pipeline": "cpu-disk", "chunk_size": CHUNK, "tiers.disk.path": str(disk)})
     stale = server.ipc_dir / "flowkv-1234567890-dp0-r0.sock"
     live = server.ipc_dir / "flowkv-other-dp0-r0.sock"

@@ -96,7 +96,7 @@ def parallel_server(folder: Path, kv_extra: dict | None = None, *, pipeline: str
     # the workers import the pipelines' test stages
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
     return start_server(folder, kv_extra=kv_extra, transfer=transfer, compiled=compiled, dtype="float32", env=env,
-                        args=flags)
+                        args=flags, worker_process=True)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ server per test module (a start costs 25-70 s on two cores); import them::
 ``start_server(folder, kv_extra={...}, args=[...], env={...}, transfer=README_CONFIG)`` starts one
 with other settings (another pipeline, another README line's transfer config, vLLM flags, environment); the caller
 stops it (``close()``). ``start_servers`` starts several side by side. Servers run eager and in float32 (as the tests' ``vllm.LLM`` engines do, see
-``vllm_helpers.DTYPE``); ``compiled=True`` runs vLLM's compiled default (the main fixtures below).
+``vllm_helpers.DTYPE``), the model in the engine core's process; ``compiled=True`` runs vLLM's compiled
+default and its process layout (the main fixtures below), ``worker_process=True`` the layout alone.
 """
 
 from __future__ import annotations
@@ -131,9 +132,17 @@ class VllmServer:
 
     def __init__(self, folder: Path, *, kv_extra: dict[str, Any] | None = None, args: Sequence[str] = (),
                  kv_cache_blocks: int = 512, env: dict[str, str] | None = None, compiled: bool = False,
-                 dtype: str = DTYPE, transfer: dict[str, Any] | None = None) -> None:
+                 dtype: str = DTYPE, transfer: dict[str, Any] | None = None,
+                 worker_process: bool | None = None) -> None:
         self.folder = folder
-        self.env = env or {}
+        self.env = dict(env or {})
+        if not (compiled if worker_process is None else worker_process):
+            # vLLM's engine core runs the model in its own process (its CPU platform keeps the one-process
+            # executor when multiprocessing is off; the API server and the engine core stay two processes):
+            # one spawned process and one import of vLLM fewer, ~10 s of a start on two cores. flowkv's
+            # scheduler and worker sides still talk over their socket. vLLM's default layout runs in the
+            # compiled servers, the shutdown test and the parallel ones (a process per rank).
+            self.env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.compiled = compiled
         self.folder.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
