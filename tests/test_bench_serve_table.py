@@ -103,3 +103,20 @@ def test_stop_group_returns_once_no_member_of_the_group_is_running():
     serve.stop_group(proc, timeout_s=0.5)
     assert serve.group_running(proc.pid) == []
     assert proc.returncode == -15  # the leader took SIGTERM
+
+
+def test_servers_started_side_by_side_are_all_stopped_when_one_fails_to_come_up(tmp_path):
+    """``start_side_by_side`` launches every server before it waits for any; one that exits before it answers
+    raises with its log's tail, and the stack stops every process it launched."""
+    import contextlib
+    import sys
+
+    servers = [serve.Server(tmp_path, tmp_path, transfer=None, pool_bytes=1, max_model_len=1, name=name)
+               for name in ("slow", "broken")]
+    servers[0].command = [sys.executable, "-c", "import time; time.sleep(600)"]
+    servers[1].command = [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"]
+    with pytest.raises(RuntimeError, match="no model here"):
+        with contextlib.ExitStack() as stack:
+            serve.start_side_by_side(stack, servers)
+    assert servers[1].proc.returncode == 3
+    assert servers[0].proc.returncode is not None and serve.group_running(servers[0].proc.pid) == []

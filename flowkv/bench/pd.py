@@ -225,16 +225,18 @@ def run(args: argparse.Namespace) -> int:
             transfer = serve.transfer_config(pipeline, Path(tmp), chunk_size=None, memory_bytes=0, kv_role=role,
                                              extra={"tiers.node.socket": str(socket)})
             print(f"bench pd: starting {name} on cores {results['cores'][name]}...", file=sys.stderr)
-            return stack.enter_context(serve.Server(
-                model, logs, transfer=transfer, pool_bytes=pool_bytes, max_model_len=max_model_len,
-                prefix_caching=not args.no_prefix_caching, eager=args.eager, dtype=args.dtype,
-                env=_bind(binds[name]), name=name))
+            return serve.Server(model, logs, transfer=transfer, pool_bytes=pool_bytes, max_model_len=max_model_len,
+                                prefix_caching=not args.no_prefix_caching, eager=args.eager, dtype=args.dtype,
+                                env=_bind(binds[name]), name=name)
 
         try:
-            colocated = instance("colocated", "node", "kv_both", stack.enter_context(node_server(node_bytes)))
+            colocated_node = stack.enter_context(node_server(node_bytes))
             pd_node = stack.enter_context(node_server(node_bytes))
-            prefill = instance("prefill", "node-pd", "kv_producer", pd_node)
-            decode = instance("decode", "node-pd", "kv_consumer", pd_node)
+            # The three start side by side (measuring starts only once all three answer).
+            colocated, prefill, decode = serve.start_side_by_side(stack, [
+                instance("colocated", "node", "kv_both", colocated_node),
+                instance("prefill", "node-pd", "kv_producer", pd_node),
+                instance("decode", "node-pd", "kv_consumer", pd_node)])
             setups = {
                 "colocated": _Setup(stack.enter_context(Router(
                     ["--backend", colocated.url, "--policy", "round-robin"], logs / "route-colocated.log")), colocated),

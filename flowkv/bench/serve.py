@@ -50,6 +50,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from flowkv.bench import chosen, positive, report
@@ -57,7 +58,7 @@ from flowkv.integration.harness import DEMO_MODEL, default_model_dir, kv_bytes_p
 
 __all__ = ["CONFIGS", "EAGER_HELP", "Server", "add_arguments", "add_workload_arguments", "answers", "bench_model",
            "client", "figures", "median_run", "model_len", "positive", "positive_ints", "round_range", "run",
-           "group_running", "stop_group", "summarize", "transfer_config"]
+           "group_running", "start_side_by_side", "stop_group", "summarize", "transfer_config"]
 
 CONFIGS = ("none", "ceiling", "local-cpu", "cpu-disk", "example")
 # Configurations without a connector: vLLM's own prefix cache, a small pool or one holding every document.
@@ -179,19 +180,36 @@ class Server:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> Server:
+        return self.launch().ready()
+
+    def launch(self) -> Server:
+        """Start the process, without waiting for it to answer (``ready`` does)."""
         env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"), **self.env}
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + _READY_S
-        while not self._healthy():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.__exit__()
-                tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
-                raise RuntimeError(f"vllm serve did not come up:\n{tail}")
+        self._deadline = time.monotonic() + _READY_S
+        return self
+
+    def ready(self) -> Server:
+        """Wait until the launched server answers ``/health``; one that exits or never answers is
+        stopped, and a ``RuntimeError`` carries its log's tail."""
+        while not self.answered():
             time.sleep(0.5)
         return self
+
+    def answered(self) -> bool:
+        """Whether the launched server answers ``/health`` yet; ``RuntimeError`` (the server stopped) once it
+        exited or its time to start is up."""
+        assert self.proc is not None, "launch() first"
+        if self._healthy():
+            return True
+        if self.proc.poll() is not None or time.monotonic() > self._deadline:
+            self.__exit__()
+            tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
+            raise RuntimeError(f"vllm serve did not come up:\n{tail}")
+        return False
 
     def __exit__(self, *exc: Any) -> None:
         if self.proc is not None:
@@ -217,6 +235,20 @@ class Server:
         wanted = {f'{key}="{value}"' for key, value in labels.items()}
         return sum(float(m.group(2)) for line in text.splitlines()
                    if (m := pattern.match(line)) and wanted <= set((m.group(1) or "").split(",")))
+
+
+def start_side_by_side(stack: contextlib.ExitStack, servers: Sequence[Server]) -> list[Server]:
+    """Launch every server, then wait for each (stopped with ``stack``): a start is mostly one process
+    importing vLLM on one core, so several side by side take little longer than one."""
+    for server in servers:
+        stack.callback(server.__exit__)
+        server.launch()
+    waiting = list(servers)
+    while waiting:  # every one watched: the first to fail ends the wait
+        waiting = [server for server in waiting if not server.answered()]
+        if waiting:
+            time.sleep(0.5)
+    return list(servers)
 
 
 def answers(url: str) -> bool:
