@@ -5,12 +5,6 @@ stage run is an OpenTelemetry span; the vLLM connector lives in
 ``flowkv.integration.vllm``.
 """
 
-from flowkv.calls import KVTransfer, RetrieveResult, StoreResult
-from flowkv.items import Chunk, Request, RunContext, Services
-from flowkv.pipeline import Diagnostic, Pipeline, PipelineError, load_pipeline, loads_pipeline
-from flowkv.registry import Facet, Role, stage, tier
-from flowkv.runner import Runner, StageError
-
 __version__ = "0.1.0"
 
 __all__ = [
@@ -36,10 +30,29 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    # The engine pulls in torch-heavy parts; import it only when asked for.
-    if name == "CacheEngine":
-        from flowkv.engine import CacheEngine
+# Where each public name lives: imported on first use, so that a process that needs none of them (the
+# controller, the router, the node server's command line) does not pay for torch's import (~1.5 s).
+_HOMES = {
+    "CacheEngine": "flowkv.engine",
+    "Chunk": "flowkv.items", "Request": "flowkv.items", "RunContext": "flowkv.items", "Services": "flowkv.items",
+    "Diagnostic": "flowkv.pipeline", "Pipeline": "flowkv.pipeline", "PipelineError": "flowkv.pipeline",
+    "load_pipeline": "flowkv.pipeline", "loads_pipeline": "flowkv.pipeline",
+    "Facet": "flowkv.registry", "Role": "flowkv.registry", "stage": "flowkv.registry", "tier": "flowkv.registry",
+    "KVTransfer": "flowkv.calls", "RetrieveResult": "flowkv.calls", "StoreResult": "flowkv.calls",
+    "Runner": "flowkv.runner", "StageError": "flowkv.runner",
+}
 
-        return CacheEngine
-    raise AttributeError(f"module 'flowkv' has no attribute {name!r}")
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'flowkv' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])

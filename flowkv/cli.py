@@ -15,7 +15,8 @@ def main(argv: list[str] | None = None) -> int:
     from flowkv.logs import setup_logging
 
     setup_logging()
-    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    parser = build_parser(fleet_only=bool(words) and words[0] in FLEET_COMMANDS)
     args = parser.parse_args(argv)
     if not hasattr(args, "func"):
         parser.print_help()
@@ -26,12 +27,23 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def build_parser() -> argparse.ArgumentParser:
+# The fleet's servers need none of torch: for them only their own commands' parser is built (the others'
+# arguments import modules that import torch), so a controller or router process starts in ~0.4 s, not ~1.9 s.
+FLEET_COMMANDS = ("controller", "node-report", "route")
+
+
+def build_parser(*, fleet_only: bool = False) -> argparse.ArgumentParser:
+    """The ``flowkv`` command's parser; ``fleet_only``: with only the ``FLEET_COMMANDS``."""
     parser = argparse.ArgumentParser(
         prog="flowkv",
         description="flowkv: a KV-cache layer for LLM inference (pipelines of traced stages).",
     )
     sub = parser.add_subparsers(metavar="COMMAND")
+    if fleet_only:
+        from flowkv.fleet import commands as fleet
+
+        fleet.add_commands(sub)
+        return parser
 
     pipeline = sub.add_parser("pipeline", help="validate, show and list pipeline files")
     psub = pipeline.add_subparsers(metavar="ACTION")

@@ -236,3 +236,23 @@ def test_show_a_server_pipeline_gives_its_server_list_only(capsys):
     assert [s["use"] for s in info["server"]] == ["compress", "put"] and "store" not in info
     assert main(["pipeline", "validate", "node-server-disk"]) == 0
     assert "ok (2 server stages; tiers: disk)" in capsys.readouterr().out
+
+
+def test_the_fleets_commands_parse_alike_alone_and_their_process_never_imports_torch():
+    """``flowkv controller``/``route``/``node-report`` build only their own parser (the same arguments as in
+    the whole tree), and a process running one imports no torch: it starts in a fraction of a second."""
+    from flowkv.cli import FLEET_COMMANDS
+
+    whole, alone = build_parser(), build_parser(fleet_only=True)
+    assert sorted(path for path in command_paths(alone) if path) == sorted(
+        path for path in ALL_COMMANDS if path and path[0] in FLEET_COMMANDS)
+    for name in FLEET_COMMANDS:
+        assert (whole._subparsers._group_actions[0].choices[name].format_help()
+                == alone._subparsers._group_actions[0].choices[name].format_help())
+    probe = ("import sys\nfrom flowkv.cli import main\n"
+             "for name in {names!r}:\n"
+             "    try:\n        main([name, '--help'])\n    except SystemExit:\n        pass\n"
+             "print('torch' in sys.modules, 'flowkv.fleet.commands' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe.format(names=FLEET_COMMANDS)], capture_output=True,
+                         text=True, check=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert out.stdout.splitlines()[-1] == "False True"
