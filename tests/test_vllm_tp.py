@@ -2,9 +2,13 @@
 
 Every server starts from the README's "Tensor parallel" lines (their
 ``export VLLM_CPU_OMP_THREADS_BIND="0|1"``, flags and transfer config), eager
-float32, two workers. One server without a connector, for the whole module,
-gives the reference outputs; then one server per pipeline, each stopped when
-its tests end (a TP=2 start costs 25-40 s on two cores):
+float32, two workers, one server per pipeline, each stopped when its tests end
+(a TP=2 start costs 25-40 s on two cores). A hit's greedy tokens are compared
+with the same prompt computed cold on the same server: asked with a tag of its
+own and ``flowkv.skip_save``, so flowkv finds nothing for it and stores nothing
+(the unconnected reference servers of test_vllm_serve, test_vllm_matrix and
+test_vllm_disagg show that a connected engine computes what an unconnected one
+does; here a wrong shard, rank or layer loaded shows as different tokens):
 
 1. ``local-cpu`` (plus a store stage that lets one rank keep less of a tagged
    request, ``rank_stages:rank_gap``): a repeated document loads whole; a
@@ -100,20 +104,20 @@ def parallel_server(folder: Path, kv_extra: dict | None = None, *, pipeline: str
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The unconnected TP=2 server; ``reference(prompt)`` is its greedy answer (asked once per prompt)."""
-    server = parallel_server(tmp_path_factory.mktemp("tp-reference"))
-    answers: dict[tuple[int, ...], list[int]] = {}
+def reference():
+    """``reference(server, prompt)``: the greedy answer of ``server`` to ``prompt`` computed cold (a tag no
+    stored chunk carries, nothing saved), asked once per server and prompt."""
+    answers: dict[tuple[str, tuple[int, ...]], list[int]] = {}
 
-    def answer(prompt: list[int]) -> list[int]:
-        if tuple(prompt) not in answers:
-            answers[tuple(prompt)] = ask(server, prompt)[0]
-        return answers[tuple(prompt)]
+    def answer(server: VllmServer, prompt: list[int]) -> list[int]:
+        key = (server.url, tuple(prompt))
+        if key not in answers:
+            output, cached = ask(server, prompt, {"reference": "cold"}, skip_save=True)
+            assert cached == 0, "a reference answer must be computed, not loaded"
+            answers[key] = output
+        return answers[key]
 
-    try:
-        yield answer
-    finally:
-        server.close()
+    return answer
 
 
 @pytest.fixture(scope="module")
@@ -128,9 +132,12 @@ def rank_gap_pipeline(tmp_path_factory) -> Path:
     return path
 
 
-def ask(instance: VllmServer, prompt: list[int], tags: dict[str, str] | None = None) -> tuple[list[int], int]:
+def ask(instance: VllmServer, prompt: list[int], tags: dict[str, str] | None = None, *,
+        skip_save: bool = False) -> tuple[list[int], int]:
     """Greedy token ids and the prompt tokens flowkv loaded."""
-    params = {f"flowkv.tag.{name}": value for name, value in (tags or {}).items()}
+    params: dict[str, object] = {f"flowkv.tag.{name}": value for name, value in (tags or {}).items()}
+    if skip_save:
+        params["flowkv.skip_save"] = True
     reply = instance.complete(prompt, max_tokens=MAX_TOKENS, ignore_eos=True,
                               **({"kv_transfer_params": params} if params else {}))
     details = reply["usage"].get("prompt_tokens_details") or {}
@@ -141,7 +148,7 @@ def repeat_loads_the_whole_document(instance: VllmServer, reference, seed: int) 
     doc = random_tokens(seed, DOC_TOKENS)
     for n, question in enumerate(QUESTIONS):
         output, cached = ask(instance, doc + question)
-        assert output == reference(doc + question), n
+        assert output == reference(instance, doc + question), n
         # The first ask computes the document; every later one loads all of it (>= 90 %: all eight chunks).
         assert cached == (0 if n == 0 else DOC_TOKENS), n
     assert instance.metric("vllm:flowkv_retrieved_tokens_total") >= 2 * DOC_TOKENS
@@ -178,14 +185,14 @@ class TestLocalCpu:
         # Rank 1 keeps the document's first three chunks only; rank 0 all eight.
         tags = {RANK_GAP_TAG: "1:3"}
         first, cached = ask(flowkv, doc + QUESTIONS[0], tags)
-        assert cached == 0 and first == reference(doc + QUESTIONS[0])
+        assert cached == 0 and first == reference(flowkv, doc + QUESTIONS[0])
         output, cached = ask(flowkv, doc + QUESTIONS[1], tags)
-        assert cached == 3 * CHUNK_SIZE and output == reference(doc + QUESTIONS[1])
+        assert cached == 3 * CHUNK_SIZE and output == reference(flowkv, doc + QUESTIONS[1])
         # And the other way round: rank 0 lacking the chunks from the sixth on leaves five.
         tags = {RANK_GAP_TAG: "0:5"}
         ask(flowkv, doc + QUESTIONS[0], tags)
         output, cached = ask(flowkv, doc + QUESTIONS[1], tags)
-        assert cached == 5 * CHUNK_SIZE and output == reference(doc + QUESTIONS[1])
+        assert cached == 5 * CHUNK_SIZE and output == reference(flowkv, doc + QUESTIONS[1])
 
 
 # -- cpu-redis, with the controller ----------------------------------------------------------
@@ -244,7 +251,7 @@ class TestCpuRedis:
         server, controller = fleet["server"], fleet["controller"]
         doc = random_tokens(8005, DOC_TOKENS)
         output, cached = ask(server, doc + QUESTIONS[0])
-        assert cached == 0 and output == reference(doc + QUESTIONS[0])
+        assert cached == 0 and output == reference(server, doc + QUESTIONS[0])
         in_redis = self.written_behind(fleet, doc)
         # Both ranks' memory emptied (each rank runs the controller's clear on its own engine) ...
         cleared = controller.post("/clear", {"instance_id": "tp-redis", "tiers": ["memory"], "wait_s": 60})
@@ -252,7 +259,7 @@ class TestCpuRedis:
         # ... and rank 0's shards of the chunks from the sixth on deleted in Redis: rank 1 finds eight, rank 0 five.
         assert fleet["redis"].delete(*in_redis[0][5:]) == 3
         output, cached = ask(server, doc + QUESTIONS[1])
-        assert cached == 5 * CHUNK_SIZE and output == reference(doc + QUESTIONS[1])
+        assert cached == 5 * CHUNK_SIZE and output == reference(server, doc + QUESTIONS[1])
 
 
 # -- pipeline parallel -------------------------------------------------------------------------
@@ -295,7 +302,7 @@ class TestPipelineParallel:
         tags = {RANK_GAP_TAG: "1:3"}  # the second stage (rank 1) keeps the first three chunks only
         ask(flowkv, doc + QUESTIONS[0], tags)
         output, cached = ask(flowkv, doc + QUESTIONS[1], tags)
-        assert cached == 3 * CHUNK_SIZE and output == reference(doc + QUESTIONS[1])
+        assert cached == 3 * CHUNK_SIZE and output == reference(flowkv, doc + QUESTIONS[1])
 
 
 # -- node, shared by both ranks; last: a rank's worker killed -------------------------------------
@@ -339,7 +346,7 @@ class TestNode:
     def test_one_ranks_entries_removed_from_the_node_server_shorten_the_hit(self, reference, node, flowkv):
         doc = random_tokens(8003, DOC_TOKENS)
         output, cached = ask(flowkv, doc + QUESTIONS[0])
-        assert cached == 0 and output == reference(doc + QUESTIONS[0])
+        assert cached == 0 and output == reference(flowkv, doc + QUESTIONS[0])
         # Rank 1's shards of the chunks from the fourth on removed (the operator's remove): three chunks left.
         stored = doc_keys(self.snapshot(node), doc)
         conn = node.connect("test-tp")
@@ -348,7 +355,7 @@ class TestNode:
         finally:
             conn.close()
         output, cached = ask(flowkv, doc + QUESTIONS[1])
-        assert cached == 3 * CHUNK_SIZE and output == reference(doc + QUESTIONS[1])
+        assert cached == 3 * CHUNK_SIZE and output == reference(flowkv, doc + QUESTIONS[1])
 
     def test_a_single_rank_instance_shares_the_node_server_with_both_ranks(self, reference, node, flowkv):
         """Another instance (one rank, a ``vllm.LLM`` in this process) on the same node server: each instance
@@ -370,7 +377,7 @@ class TestNode:
         # the single-rank instance's eight chunks, beside both ranks' shards of the TP instance's document
         assert held[(1, 0)] == 8 and held[(2, 0)] >= 8 and held[(2, 1)] >= 8 and set(held) == {(1, 0), (2, 0), (2, 1)}
         output, cached = ask(flowkv, tp_doc + QUESTIONS[1])
-        assert cached == DOC_TOKENS and output == reference(tp_doc + QUESTIONS[1])
+        assert cached == DOC_TOKENS and output == reference(flowkv, tp_doc + QUESTIONS[1])
 
     def test_a_ranks_worker_killed_mid_run_ends_the_engine_and_leaves_nothing_held_in_the_node_server(
             self, node, flowkv, tmp_path):
