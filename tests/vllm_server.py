@@ -238,18 +238,10 @@ class VllmServer:
 
     def live_processes(self) -> list[int]:
         """Pids of the server's process group that are still running (zombies aside)."""
+        from flowkv.bench.serve import group_running
+
         assert self.proc is not None
-        group = self.proc.pid
-        found = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            state, pgrp = fields[0], int(fields[2])
-            if pgrp == group and state != "Z":
-                found.append(int(stat.parent.name))
-        return found
+        return group_running(self.proc.pid)
 
     # -- HTTP -----------------------------------------------------------------
 

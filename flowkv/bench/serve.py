@@ -49,8 +49,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from flowkv.bench import chosen, positive, report
