@@ -289,7 +289,7 @@ class ConnectorScheduler:
                     logger.warning("flowkv: lookup failed on a worker: %s", reply.get("error"))
             # Pins a late answer may have taken are dropped by this release,
             # which each worker handles after the lookup it follows.
-            self._lookup_client.tell({"op": "release", "lookup_id": lookup_id})
+            self._release_lookup(lookup_id)
             return None
         hit = min(int(reply["hit_tokens"]) for reply in replies)
         memory = min(int(reply.get("memory_tokens", 0)) for reply in replies)
@@ -494,8 +494,7 @@ class ConnectorScheduler:
             if state.pending_load is not None:
                 # A load vLLM accepted that never went to the worker (an asynchronous one is sent in the next
                 # step's metadata, and a request ended before it is not): no retrieve will drop its pins.
-                if state.pending_load.lookup_id is not None and self._lookup_client is not None:
-                    self._lookup_client.tell({"op": "release", "lookup_id": state.pending_load.lookup_id})
+                self._release_lookup(state.pending_load.lookup_id)
                 state.pending_load = None
         if self._saves and wants_remote_decode(request.kv_transfer_params):
             stored = state.stored_end if state is not None and not state.skip_save else 0
@@ -523,6 +522,10 @@ class ConnectorScheduler:
         state.answer = None
 
     def _release(self, answer: LookupAnswer) -> None:
-        if answer.lookup_id is not None and self._lookup_client is not None:
-            self._lookup_client.tell({"op": "release", "lookup_id": answer.lookup_id})
+        self._release_lookup(answer.lookup_id)
         answer.lookup_id = None
+
+    def _release_lookup(self, lookup_id: str | None) -> None:
+        """Tell the workers to drop the pins of lookup ``lookup_id`` (none: nothing to drop)."""
+        if lookup_id is not None and self._lookup_client is not None:
+            self._lookup_client.tell({"op": "release", "lookup_id": lookup_id})
