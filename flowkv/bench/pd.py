@@ -189,8 +189,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table (or JSON). Returns the exit status."""
     try:
         levels = serve.positive_ints(args.concurrency, "--concurrency")
-        positive(args, ("docs", "asks", "doc_tokens", "question_tokens", "output_tokens", "pool_docs",
-                              "repeats"))
+        positive(args, ("docs", "asks", "doc_tokens", "question_tokens", "output_tokens", "pool_docs", "repeats"))
         ids = cores(args.cores)
         if len(ids) < 2:
             raise ValueError(f"disaggregated prefill needs two cores or more, one set per instance; got {ids}")

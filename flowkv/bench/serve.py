@@ -57,7 +57,7 @@ from flowkv.bench import chosen, positive, report
 from flowkv.integration.harness import DEMO_MODEL, default_model_dir, kv_bytes_per_token, setup_environment
 
 __all__ = ["CONFIGS", "EAGER_HELP", "Server", "add_arguments", "add_workload_arguments", "answers", "bench_model",
-           "client", "figures", "median_run", "model_len", "positive", "positive_ints", "round_range", "run",
+           "client", "figures", "median_run", "model_len", "positive_ints", "round_range", "run",
            "group_running", "start_side_by_side", "stop_group", "summarize", "transfer_config"]
 
 CONFIGS = ("none", "ceiling", "local-cpu", "cpu-disk", "example")
