@@ -56,6 +56,7 @@ from redis_servers import redis_server  # noqa: F401 - pytest fixture
 from vllm_helpers import CHUNK_SIZE, random_tokens
 from vllm_server import MODEL_NAME, README, REDIS_PATIENCE, VllmServer, _sse_events, shell_commands, start_server
 
+from flowkv.integration.vllm.settings import SKIP_SAVE_KEY
 from flowkv.keys import CacheKey, chain_hashes
 from flowkv.pipeline import dumps_pipeline
 
@@ -137,7 +138,7 @@ def ask(instance: VllmServer, prompt: list[int], tags: dict[str, str] | None = N
     """Greedy token ids and the prompt tokens flowkv loaded."""
     params: dict[str, object] = {f"flowkv.tag.{name}": value for name, value in (tags or {}).items()}
     if skip_save:
-        params["flowkv.skip_save"] = True
+        params[SKIP_SAVE_KEY] = True
     reply = instance.complete(prompt, max_tokens=MAX_TOKENS, ignore_eos=True,
                               **({"kv_transfer_params": params} if params else {}))
     details = reply["usage"].get("prompt_tokens_details") or {}
