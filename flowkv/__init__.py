@@ -31,7 +31,7 @@ __all__ = [
 
 
 # Where each public name lives: imported on first use, so that a process that needs none of them (the
-# controller, the router, the node server's command line) does not pay for torch's import (~1.5 s).
+# fleet's controller and router, see flowkv.cli.FLEET_COMMANDS) does not pay for torch's import (~1.5 s).
 _HOMES = {
     "CacheEngine": "flowkv.engine",
     "Chunk": "flowkv.items", "Request": "flowkv.items", "RunContext": "flowkv.items", "Services": "flowkv.items",
