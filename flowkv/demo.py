@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from flowkv.integration.harness import (
-    DEMO_MODEL,
     QUESTIONS,
     build_llm,
     default_model_dir,
     documents,
     flowkv_config,
+    model_folder,
     setup_environment,
     shutdown,
     time_to_first_token,
@@ -55,10 +55,9 @@ def run(args: argparse.Namespace) -> int:
     setup_environment()
     from transformers import AutoTokenizer
 
-    from flowkv.testing import tiny_model
-
-    print(f"flowkv demo: building the demo model in {args.model_dir} (once)...", file=sys.stderr)
-    model = tiny_model(args.model_dir, **DEMO_MODEL)
+    print(f"flowkv demo: the model in {args.model_dir} (the demo model, built there once, where none is)...",
+          file=sys.stderr)
+    model = model_folder(args.model_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     docs = documents(tokenizer, args.documents, args.doc_tokens)
     questions = [tokenizer.encode(q, add_special_tokens=False) for q in QUESTIONS]

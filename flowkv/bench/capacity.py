@@ -39,12 +39,12 @@ from pathlib import Path
 from typing import Any
 
 from flowkv.integration.harness import (
-    DEMO_MODEL,
     QUESTIONS,
     build_llm,
     default_model_dir,
     flowkv_config,
     kv_bytes_per_token,
+    model_folder,
     setup_environment,
     shutdown,
 )
@@ -192,9 +192,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from flowkv.integration.harness import documents
-    from flowkv.testing import tiny_model
-
-    model = tiny_model(args.model_dir, **DEMO_MODEL)
+    model = model_folder(args.model_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     docs = documents(tokenizer, args.documents, args.doc_tokens)
     questions = [tokenizer.encode(q, add_special_tokens=False) for q in QUESTIONS]

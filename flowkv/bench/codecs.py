@@ -141,9 +141,8 @@ def model_kv(
     os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from flowkv.integration.harness import DEMO_MODEL, default_model_dir
     from flowkv.integration.harness import documents as read_documents
-    from flowkv.testing import tiny_model
+    from flowkv.integration.harness import model_folder
 
     if chunk_tokens <= 0 or doc_tokens <= 0 or documents <= 0:
         raise ValueError("documents, doc_tokens and chunk_tokens must be positive")
@@ -152,7 +151,7 @@ def model_kv(
 
         folder = trained_model()
     elif model == "demo":
-        folder = tiny_model(model_dir or default_model_dir(), **DEMO_MODEL)
+        folder = model_folder(model_dir)
     else:
         raise ValueError(f"model must be 'demo' or 'trained', got {model!r}")
     tokenizer = AutoTokenizer.from_pretrained(str(folder))

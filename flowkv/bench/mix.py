@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from flowkv.bench.serve import EAGER_HELP, SERVED_NAME, Server, transfer_config
-from flowkv.integration.harness import DEMO_MODEL, default_model_dir, kv_bytes_per_token, setup_environment
+from flowkv.integration.harness import default_model_dir, kv_bytes_per_token, model_folder, setup_environment
 
 __all__ = ["add_arguments", "run"]
 
@@ -115,7 +115,7 @@ def _one_setting(model: Path, folder: Path, setting: str, args: argparse.Namespa
                  rng: random.Random) -> dict[str, Any]:
     from flowkv.bench.capacity import drop_page_cache
 
-    vocab = DEMO_MODEL["vocab_size"]
+    vocab = json.loads((model / "config.json").read_text(encoding="utf-8"))["vocab_size"]
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(16, vocab) for _ in range(n)]
@@ -188,11 +188,7 @@ def run(args: argparse.Namespace) -> int:
         print("flowkv bench mix: --disk-docs must be at least 4 x --disk-clients + 2", file=sys.stderr)
         return 2
     setup_environment()
-    model = Path(args.model_dir)
-    if not (model / "config.json").exists():
-        from flowkv.testing import tiny_model
-
-        model = tiny_model(model, **DEMO_MODEL)
+    model = model_folder(args.model_dir)
     token_bytes = kv_bytes_per_token(model)
     rows = []
     with tempfile.TemporaryDirectory(prefix="fkv-bench-mix-") as tmp:

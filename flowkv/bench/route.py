@@ -222,13 +222,10 @@ def _workload(url: str, prompts: list[list[int]], order: list[int], concurrency:
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from flowkv._testing.tiny_model import tiny_model
-    from flowkv.integration.harness import DEMO_MODEL, QUESTIONS, documents, kv_bytes_per_token
+    from flowkv.integration.harness import QUESTIONS, documents, kv_bytes_per_token, model_folder
 
     os.environ["HF_HUB_OFFLINE"] = "1"
-    model = Path(args.model_dir)
-    if not (model / "config.json").exists():  # a model of the user's, else the demo model, built here
-        model = tiny_model(model, **DEMO_MODEL)
+    model = model_folder(args.model_dir)  # a model of the user's, else the demo model, built there
     tokenizer = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
     docs = documents(tokenizer, args.documents, args.doc_tokens)
     question = tokenizer.encode(QUESTIONS[0], add_special_tokens=False)

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from flowkv.bench import chosen, positive, report
-from flowkv.integration.harness import DEMO_MODEL, default_model_dir, kv_bytes_per_token, setup_environment
+from flowkv.integration.harness import default_model_dir, kv_bytes_per_token, model_folder, setup_environment
 
 __all__ = ["CONFIGS", "EAGER_HELP", "Server", "add_arguments", "add_workload_arguments", "answers", "bench_model",
            "client", "figures", "median_run", "model_len", "positive_ints", "round_range", "run",
@@ -369,12 +369,7 @@ def round_range(runs: list[dict[str, Any]], keys: tuple[str, ...] = _SPREAD) -> 
 
 def bench_model(model_dir: str) -> Path:
     """The model folder to serve: ``model_dir``, or the demo model built there when it holds none."""
-    model = Path(model_dir)
-    if not (model / "config.json").exists():
-        from flowkv.testing import tiny_model
-
-        model = tiny_model(model, **DEMO_MODEL)
-    return model
+    return model_folder(model_dir)
 
 
 def model_len(args: argparse.Namespace) -> int:

@@ -100,11 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _model(args: argparse.Namespace) -> Path:
-    from flowkv.integration.harness import DEMO_MODEL, default_model_dir
-    from flowkv.testing import tiny_model
+    from flowkv.integration.harness import model_folder
 
-    folder = Path(args.model_dir) if args.model_dir else default_model_dir()
-    return folder if (folder / "config.json").exists() else tiny_model(folder, **DEMO_MODEL)
+    return model_folder(args.model_dir)
 
 
 def _workload(args: argparse.Namespace, model: Path) -> Workload:

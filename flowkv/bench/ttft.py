@@ -40,7 +40,7 @@ from typing import Any
 
 from flowkv.bench import chosen
 from flowkv.integration.harness import (DEMO_MODEL, build_llm, default_model_dir, flowkv_config, kv_bytes_per_token,
-                                        setup_environment, shutdown)
+                                        model_folder, setup_environment, shutdown)
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
 PEERS = ("no cache", "vLLM prefix cache", "flowkv", "flowkv async", "flowkv disk", "ExampleConnector",
@@ -106,9 +106,10 @@ def _server_peers(pipeline: str, socket: Path) -> dict[str, Any]:
     }
 
 
-def _lengths(text: str) -> list[int]:
-    """``"1024,2048"`` -> [1024, 2048]; every length a positive int the demo model can take."""
-    limit = DEMO_MODEL["max_position_embeddings"] - _ROOM
+def _lengths(text: str, limit: int = DEMO_MODEL["max_position_embeddings"]) -> list[int]:
+    """``"1024,2048"`` -> [1024, 2048]; every length a positive int a model of ``limit`` positions can take
+    (the demo model's unless the model is known)."""
+    limit -= _ROOM
     try:
         lengths = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -130,16 +131,20 @@ def run(args: argparse.Namespace) -> int:
         return 2
     user_kv_space = "VLLM_CPU_KVCACHE_SPACE" in os.environ
     setup_environment()
-    from flowkv.testing import tiny_model
-
-    model = tiny_model(args.model_dir, **DEMO_MODEL)
+    model = model_folder(args.model_dir)
+    config = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    try:
+        _lengths(args.lengths, config["max_position_embeddings"])
+    except ValueError as exc:
+        print(f"flowkv bench ttft: {exc} (the model in {model})", file=sys.stderr)
+        return 2
     # vLLM's pool: a few of the longest prompts (one is in flight at a time), not the 2 GiB default,
     # which costs each of the run's engines seconds to allocate. A pool the user set is kept.
     pool_bytes = None
     if not user_kv_space:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # else it overrides kv_cache_memory_bytes
         pool_bytes = max(64 << 20, 4 * (max(lengths) + _ROOM) * kv_bytes_per_token(model))
-    vocab = DEMO_MODEL["vocab_size"]
+    vocab = config["vocab_size"]
     # prompts[length][repeat], the same for every peer
     prompts = {n: [_prompt(n, seed=n * 100 + r, vocab=vocab) for r in range(args.repeats)] for n in lengths}
     results: dict[str, Any] = {"lengths": lengths, "repeats": args.repeats, "ttft_s": {}, "ttft_runs_s": {},
@@ -149,10 +154,8 @@ def run(args: argparse.Namespace) -> int:
         if args.via == "server":
             from flowkv.bench.node import node_server
 
-            kv_per_token = 2 * DEMO_MODEL["num_layers"] * DEMO_MODEL["num_kv_heads"] * 2 * (
-                DEMO_MODEL["hidden_size"] // DEMO_MODEL["num_heads"])
             configs = _server_peers(args.pipeline, stack.enter_context(
-                node_server(2 * sum(lengths) * args.repeats * kv_per_token + (256 << 20))))
+                node_server(2 * sum(lengths) * args.repeats * kv_bytes_per_token(model) + (256 << 20))))
             peers = list(configs)
         else:
             configs = _peers(Path(tmp), args.pipeline)

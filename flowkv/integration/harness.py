@@ -31,6 +31,7 @@ __all__ = [
     "documents",
     "flowkv_config",
     "kv_bytes_per_token",
+    "model_folder",
     "reference_margin",
     "setup_environment",
     "shutdown",
@@ -49,6 +50,18 @@ def default_model_dir() -> Path:
     """Where the demo model is built (``$FLOWKV_CACHE/models/demo-llama``, default under ``~/.cache/flowkv``)."""
     return Path(os.environ.get("FLOWKV_CACHE", Path.home() / ".cache" / "flowkv")) / "models" / "demo-llama"
 
+
+
+def model_folder(model_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The model a command runs: the model in ``model_dir`` when that folder holds one (a user's own
+    model, used as it is and never rebuilt), else the demo model, built there once. The default folder
+    (``default_model_dir()``) always holds the demo model, rebuilt when its recipe changes."""
+    folder = Path(model_dir).expanduser() if model_dir else default_model_dir()
+    if (folder / "config.json").exists() and folder.resolve() != default_model_dir().resolve():
+        return folder
+    from flowkv.testing import tiny_model
+
+    return tiny_model(folder, **DEMO_MODEL)
 
 def setup_environment() -> None:
     """vLLM on this CPU: no hub, both cores, a small KV pool."""
@@ -83,12 +96,15 @@ def documents(tokenizer: Any, count: int, doc_tokens: int) -> list[list[int]]:
     raise RuntimeError(f"found only {len(docs)} standard-library files of {doc_tokens} tokens")
 
 
-def build_llm(model: Path, *, kv_transfer_config: Any = None, max_model_len: int = 16384,
+def build_llm(model: Path, *, kv_transfer_config: Any = None, max_model_len: int | None = None,
               kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = False) -> Any:
-    """A vLLM engine for the demo model; prefix caching off (unless asked for) so every reuse comes
-    from the connector."""
+    """A vLLM engine for the model in folder ``model``; prefix caching off (unless asked for) so every reuse
+    comes from the connector. ``max_model_len`` defaults to 16,384 tokens, or the model's own limit if lower."""
     from vllm import LLM
 
+    if max_model_len is None:
+        config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+        max_model_len = min(16384, int(config.get("max_position_embeddings") or 16384))
     kwargs: dict[str, Any] = {}
     if kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
