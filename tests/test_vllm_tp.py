@@ -10,18 +10,20 @@ own and ``flowkv.skip_save``, so flowkv finds nothing for it and stores nothing
 test_vllm_disagg show that a connected engine computes what an unconnected one
 does; here a wrong shard, rank or layer loaded shows as different tokens):
 
-1. ``local-cpu`` (plus a store stage that lets one rank keep less of a tagged
-   request, ``rank_stages:rank_gap``): a repeated document loads whole; a
-   chunk one rank lacks shortens the hit to what every rank holds.
-2. ``cpu-redis`` on a real redis-server, reporting to a real ``flowkv
-   controller``: the document loads whole; the controller lists both ranks
-   and answers the instance once; with both ranks' memory cleared (the
-   controller's ``/clear``) and one rank's later chunks deleted in Redis, the
-   hit is what both ranks find in Redis.
-3. ``--pipeline-parallel-size 2`` (``local-cpu`` and the rank-gap stage),
+1. ``cpu-redis`` on a real redis-server, reporting to a real ``flowkv
+   controller`` (plus a store stage that lets one rank keep less of a tagged
+   request, ``rank_stages:rank_gap``): a repeated document loads whole from
+   the ranks' memory tiers; the controller lists both ranks and answers the
+   instance once; a chunk one rank lacks shortens the hit to what every rank
+   holds; with both ranks' memory cleared (the controller's ``/clear``) and
+   one rank's later chunks deleted in Redis, the hit is what both ranks find
+   in Redis. (``local-cpu`` at TP=2 is this server's memory tier without
+   Redis behind it: its README line differs in the pipeline's name only, so
+   it gets no server of its own.)
+2. ``--pipeline-parallel-size 2`` (``local-cpu`` and the rank-gap stage),
    compiled: vLLM 0.32's CPU backend fails eager pipeline parallel at its
    first request (pinned below without a server).
-4. ``node`` on one ``flowkv server`` both ranks share (plus the
+3. ``node`` on one ``flowkv server`` both ranks share (plus the
    ``node_servers:hold`` store stage for tagged requests): the document loads
    whole; one rank's entries removed from the server (its operator
    ``remove``) shorten the hit; a single-rank instance (a ``vllm.LLM`` in the
@@ -167,35 +169,6 @@ def doc_keys(keys: list[str], doc: list[int]) -> dict[int, list[str]]:
     return {rank: [by_index[i] for i in sorted(by_index)] for rank, by_index in sorted(found.items())}
 
 
-# -- local-cpu -------------------------------------------------------------------------------
-
-
-class TestLocalCpu:
-    @pytest.fixture(scope="class")
-    @classmethod
-    def flowkv(cls, tmp_path_factory, rank_gap_pipeline):
-        server = parallel_server(tmp_path_factory.mktemp("tp-local-cpu"), {"pipeline": str(rank_gap_pipeline)})
-        yield server
-        server.close()
-
-    def test_both_ranks_store_and_load_their_shards_of_a_repeated_document(self, reference, flowkv):
-        repeat_loads_the_whole_document(flowkv, reference, 8000)
-
-    def test_a_chunk_one_rank_lacks_shortens_the_hit_to_the_chunks_every_rank_holds(self, reference, flowkv):
-        doc = random_tokens(8001, DOC_TOKENS)
-        # Rank 1 keeps the document's first three chunks only; rank 0 all eight.
-        tags = {RANK_GAP_TAG: "1:3"}
-        first, cached = ask(flowkv, doc + QUESTIONS[0], tags)
-        assert cached == 0 and first == reference(flowkv, doc + QUESTIONS[0])
-        output, cached = ask(flowkv, doc + QUESTIONS[1], tags)
-        assert cached == 3 * CHUNK_SIZE and output == reference(flowkv, doc + QUESTIONS[1])
-        # And the other way round: rank 0 lacking the chunks from the sixth on leaves five.
-        tags = {RANK_GAP_TAG: "0:5"}
-        ask(flowkv, doc + QUESTIONS[0], tags)
-        output, cached = ask(flowkv, doc + QUESTIONS[1], tags)
-        assert cached == 5 * CHUNK_SIZE and output == reference(flowkv, doc + QUESTIONS[1])
-
-
 # -- cpu-redis, with the controller ----------------------------------------------------------
 
 
@@ -210,8 +183,13 @@ class TestCpuRedis:
         folder = tmp_path_factory.mktemp("tp-redis")
         controller = ControllerProcess(folder / "controller", heartbeat_s=0.5, timeout_s=30.0).start()
         try:
+            # The README's cpu-redis pipeline, with the rank-gap store stage (untagged requests pass).
+            pipeline = folder / "cpu-redis-rank-gap.toml"
+            pipeline.write_text('extends = "cpu-redis"\n\n[pipeline]\nname = "cpu-redis-rank-gap"\n\n[store]\n'
+                                'replace = ["chunk-hash"]\n[[store.stages]]\nuse = "chunk-hash"\n'
+                                '[[store.stages]]\nuse = "rank_stages:rank_gap"\n', encoding="utf-8")
             server = parallel_server(folder / "serve", {
-                "pipeline": "cpu-redis", "tiers.redis.url": redis_server.url, "tiers.redis.namespace": cls.NAMESPACE,
+                "pipeline": str(pipeline), "tiers.redis.url": redis_server.url, "tiers.redis.namespace": cls.NAMESPACE,
                 **REDIS_PATIENCE,
                 "controller": {"url": controller.url, "instance_id": "tp-redis", "heartbeat_s": 0.5,
                                "token_file": str(controller.token_file)}}, pipeline="cpu-redis")
@@ -247,6 +225,21 @@ class TestCpuRedis:
         assert listed["chunks"] >= 8
         [holder] = controller.lookup(token_ids=doc)
         assert (holder["instance_id"], holder["matched_tokens"]) == ("tp-redis", DOC_TOKENS)
+
+    def test_a_chunk_one_rank_lacks_shortens_the_hit_to_the_chunks_every_rank_holds(self, reference, fleet):
+        server = fleet["server"]
+        doc = random_tokens(8001, DOC_TOKENS)
+        # Rank 1 keeps the document's first three chunks only (in memory and in Redis); rank 0 all eight.
+        tags = {RANK_GAP_TAG: "1:3"}
+        first, cached = ask(server, doc + QUESTIONS[0], tags)
+        assert cached == 0 and first == reference(server, doc + QUESTIONS[0])
+        output, cached = ask(server, doc + QUESTIONS[1], tags)
+        assert cached == 3 * CHUNK_SIZE and output == reference(server, doc + QUESTIONS[1])
+        # And the other way round: rank 0 lacking the chunks from the sixth on leaves five.
+        tags = {RANK_GAP_TAG: "0:5"}
+        ask(server, doc + QUESTIONS[0], tags)
+        output, cached = ask(server, doc + QUESTIONS[1], tags)
+        assert cached == 5 * CHUNK_SIZE and output == reference(server, doc + QUESTIONS[1])
 
     def test_a_chunk_one_rank_lacks_in_redis_shortens_the_hit_once_memory_is_cleared(self, reference, fleet):
         server, controller = fleet["server"], fleet["controller"]
