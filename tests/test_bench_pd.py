@@ -2,7 +2,8 @@
 
 One run of the command for the module (three eager float32 ``vllm serve``
 instances, two node servers, two ``flowkv route``): three documents asked
-twice each at concurrency 2, in two rounds, vLLM's own prefix cache off so
+twice each at concurrency 2, in one round (medians and ranges over rounds: on
+made-up rounds in test_bench_serve_table.py), vLLM's own prefix cache off so
 that every reuse is flowkv's. Asserts the structure of the figures and the
 relations between them, never a speed: both set-ups in every round; the
 prompt tokens add up across the colocated instance, the prefill instance and
@@ -22,7 +23,7 @@ import pytest
 from flowkv.bench import pd
 from flowkv.cli import main
 
-ROUNDS = 2
+ROUNDS = 1  # medians and ranges over rounds: on made-up rounds in test_bench_serve_table.py
 LEVEL = 2
 DOCS, ASKS = 3, 2
 REQUESTS = DOCS * ASKS

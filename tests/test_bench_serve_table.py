@@ -1,5 +1,5 @@
-"""``flowkv bench serve``'s table from rounds made up here: medians, ranges, ratios and the printed
-rows, without a server (tests/test_bench_serve.py runs one round of each configuration for real)."""
+"""``flowkv bench serve``'s and ``bench pd``'s tables from rounds made up here: medians, ranges, ratios and
+the printed rows, without a server (tests/test_bench_serve.py and test_bench_pd.py run one round for real)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import io
 
 import pytest
 
-from flowkv.bench import serve
+from flowkv.bench import pd, serve
 
 
 def a_round(requests_per_s: float, ttft_p99_ms: float, itl_p50_ms: float, *, flowkv_tokens: int = 0) -> dict:
@@ -75,6 +75,28 @@ def test_the_printed_table_has_a_row_per_configuration_with_its_median_and_range
     assert rows["local-cpu"][2:6] == ["3.00", "2.50-3.50", "1.50x", "0.75x"]
     assert rows["local-cpu"][-2:] == ["512", "6"]
     assert lines[-1] == "cpu-disk: failed: at concurrency 2: the server died"
+
+
+
+def a_pd_round(ttft_ms: float, itl_ms: float, requests_per_s: float) -> dict:
+    return {"ttft_p50_ms": ttft_ms / 2, "ttft_p99_ms": ttft_ms, "itl_p50_ms": itl_ms, "itl_p99_ms": 2 * itl_ms,
+            "requests_per_s": requests_per_s, "completed": 6}
+
+
+def test_pd_medians_ranges_and_the_median_of_each_rounds_disaggregated_over_colocated():
+    results = {"runs": {"colocated": {2: [a_pd_round(100, 10, 2.0), a_pd_round(300, 30, 1.0),
+                                          a_pd_round(200, 20, 4.0)]},
+                        "disaggregated": {2: [a_pd_round(300, 20, 1.0), a_pd_round(150, 30, 3.0),
+                                              a_pd_round(100, 10, 2.0)]}},
+               "ratios": {}}
+    pd._summarize(results)
+    assert results["median"]["colocated"][2]["ttft_p99_ms"] == 200
+    assert results["median"]["disaggregated"][2]["ttft_p99_ms"] == 150
+    assert results["range"]["disaggregated"][2]["ttft_p99_ms"] == [100, 300]
+    # Each round's disaggregated / colocated (the two ran back to back), then their median: 0.5, not the
+    # ratio of the medians (0.75).
+    assert results["ratios"][2]["ttft_p99_ms"] == {"median": 0.5, "range": [0.5, 3.0], "rounds": [3.0, 0.5, 0.5]}
+    assert results["ratios"][2]["requests_per_s"] == {"median": 0.5, "range": [0.5, 3.0], "rounds": [0.5, 3.0, 0.5]}
 
 
 GROUP_THAT_IGNORES_SIGTERM = """
