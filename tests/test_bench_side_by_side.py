@@ -151,13 +151,13 @@ def test_the_lmcache_row_runs_the_peer_script_with_its_own_python_and_nothing_of
 @pytest.mark.vllm
 def test_a_tiny_table_for_real(capsys, tmp_path, own_environment, engines_in_this_process):
     import vllm  # noqa: F401 - a broken vLLM install fails this test; it never skips it
-    from vllm_helpers import demo_model_dir
+    from vllm_helpers import tiny_model_dir
 
     from flowkv.cli import main
 
     configs = ["floor", "no connector", "local-cpu", "LMCache MP"]
     argv = ["bench", "side-by-side", "--docs", "2", "--doc-tokens", "256", "--question-tokens", "8",
-            "--pool-docs", "1", "--repeats", "1", "--configs", ",".join(configs), "--model-dir", str(demo_model_dir()),
+            "--pool-docs", "1", "--repeats", "1", "--configs", ",".join(configs), "--model-dir", str(tiny_model_dir()),
             "--lmcache-python", str(tmp_path / "no-such-python"), "--trace", str(tmp_path / "traces"), "--eager",
             "--json"]
     assert main(argv) == 0

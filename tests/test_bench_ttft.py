@@ -18,7 +18,7 @@ import pytest
 
 import vllm  # noqa: F401,E402 - a broken vLLM install fails these tests; it never skips them
 
-from vllm_helpers import demo_model_dir  # noqa: E402
+from vllm_helpers import tiny_model_dir  # noqa: E402
 
 from flowkv.bench import ttft  # noqa: E402
 from flowkv.cli import main  # noqa: E402
@@ -35,7 +35,7 @@ NUMBER = r"\d+(?:\.\d+)?"
 
 def bench_ttft(capsys, *extra: str) -> dict:
     argv = ["bench", "ttft", "--lengths", ",".join(map(str, LENGTHS)), "--repeats", str(REPEATS),
-            "--model-dir", str(demo_model_dir()), "--json", *extra]
+            "--model-dir", str(tiny_model_dir()), "--json", *extra]
     assert main(argv) == 0
     return json.loads(capsys.readouterr().out)
 

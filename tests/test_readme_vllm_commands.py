@@ -21,7 +21,7 @@ import pytest
 
 import vllm  # noqa: F401,E402 - a broken vLLM install fails these tests; it never skips them
 
-from vllm_helpers import demo_model_dir  # noqa: E402
+from vllm_helpers import tiny_model_dir  # noqa: E402
 
 from flowkv.cli import main  # noqa: E402
 
@@ -40,10 +40,13 @@ NUMBER = r"\d+(?:\.\d+)?"
 def test_demo_table_follows_from_its_rows_and_its_trace_summarizes(layerwise, tmp_path, capsys, own_environment,
                                                                   engines_in_this_process):
     traces = tmp_path / "traces"
+    model = tiny_model_dir()
     argv = ["demo", "--documents", str(DOCUMENTS), "--doc-tokens", str(DOC_TOKENS), "--traces", str(traces),
-            "--model-dir", str(demo_model_dir())]
+            "--model-dir", str(model)]
+    before = (model / "model.safetensors").read_bytes()
     assert main(argv + (["--layerwise"] if layerwise else [])) == 0
     out = capsys.readouterr().out
+    assert (model / "model.safetensors").read_bytes() == before  # the model it was given, not rebuilt
 
     rows = re.findall(r"^ *(\d+) +(\d+) +(cold|warm) +(\d+) +(\d+) +([\d.]+) +([\d.]+) +(\d+)$", out, re.M)
     assert [(int(d), int(q), kind) for d, q, kind, *_ in rows] == [
@@ -106,7 +109,7 @@ def test_bench_ttft_speedups_are_the_ratios_of_its_times(capsys, own_environment
     lengths = [512, 1024]  # two lengths, each over a block boundary: what the table has at every length
     peers = "no cache,vLLM prefix cache,flowkv,ExampleConnector,OffloadingConnector,SimpleCPUOffloadConnector"
     argv = ["bench", "ttft", "--lengths", ",".join(map(str, lengths)), "--repeats", "1", "--peers", peers,
-            "--model-dir", str(demo_model_dir()), "--json"]
+            "--model-dir", str(tiny_model_dir()), "--json"]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["lengths"] == lengths
