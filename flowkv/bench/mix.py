@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from flowkv.bench.serve import EAGER_HELP, SERVED_NAME, Server, transfer_config
-from flowkv.integration.harness import default_model_dir, kv_bytes_per_token, model_folder, setup_environment
+from flowkv.integration.harness import (default_model_dir, kv_bytes_per_token, model_config, model_folder,
+                                        setup_environment)
 
 __all__ = ["add_arguments", "run"]
 
@@ -115,7 +116,7 @@ def _one_setting(model: Path, folder: Path, setting: str, args: argparse.Namespa
                  rng: random.Random) -> dict[str, Any]:
     from flowkv.bench.capacity import drop_page_cache
 
-    vocab = json.loads((model / "config.json").read_text(encoding="utf-8"))["vocab_size"]
+    vocab = model_config(model)["vocab_size"]
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(16, vocab) for _ in range(n)]

@@ -106,7 +106,9 @@ def _model(args: argparse.Namespace) -> Path:
 
 
 def _workload(args: argparse.Namespace, model: Path) -> Workload:
-    vocab = json.loads((model / "config.json").read_text(encoding="utf-8"))["vocab_size"]
+    from flowkv.integration.harness import model_config
+
+    vocab = model_config(model)["vocab_size"]
     return Workload(docs=args.docs, doc_tokens=args.doc_tokens, question_tokens=args.question_tokens, vocab=vocab,
                     pool_docs=args.pool_docs)
 

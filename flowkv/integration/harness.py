@@ -31,6 +31,7 @@ __all__ = [
     "documents",
     "flowkv_config",
     "kv_bytes_per_token",
+    "model_config",
     "model_folder",
     "reference_margin",
     "setup_environment",
@@ -51,7 +52,6 @@ def default_model_dir() -> Path:
     return Path(os.environ.get("FLOWKV_CACHE", Path.home() / ".cache" / "flowkv")) / "models" / "demo-llama"
 
 
-
 def model_folder(model_dir: str | os.PathLike[str] | None = None) -> Path:
     """The model a command runs: the model in ``model_dir`` when that folder holds one (a user's own
     model, used as it is and never rebuilt), else the demo model, built there once. The default folder
@@ -62,6 +62,12 @@ def model_folder(model_dir: str | os.PathLike[str] | None = None) -> Path:
     from flowkv.testing import tiny_model
 
     return tiny_model(folder, **DEMO_MODEL)
+
+
+def model_config(model: str | os.PathLike[str]) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` of the model in folder ``model``."""
+    return json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+
 
 def setup_environment() -> None:
     """vLLM on this CPU: no hub, both cores, a small KV pool."""
@@ -76,7 +82,7 @@ def setup_environment() -> None:
 
 def kv_bytes_per_token(model: Path) -> int:
     """Bytes of bf16 keys and values one token takes over all layers of the model in folder ``model``."""
-    config = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    config = model_config(model)
     heads = config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     return config["num_hidden_layers"] * 2 * heads * head_dim * 2
@@ -103,8 +109,7 @@ def build_llm(model: Path, *, kv_transfer_config: Any = None, max_model_len: int
     from vllm import LLM
 
     if max_model_len is None:
-        config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
-        max_model_len = min(16384, int(config.get("max_position_embeddings") or 16384))
+        max_model_len = min(16384, int(model_config(model).get("max_position_embeddings") or 16384))
     kwargs: dict[str, Any] = {}
     if kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
