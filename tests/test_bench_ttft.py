@@ -101,3 +101,12 @@ def test_via_server_hits_through_the_node_server_serve_what_in_process_hits_serv
     out = capsys.readouterr().out
     [line] = re.findall(r"^hit TTFT via server / in-process: (.*)$", out, re.M)
     assert line == ", ".join(f"{n}: {r:.2f}x" for n, r in zip(LENGTHS, report["server_vs_in_process"]))
+
+
+def test_a_length_past_the_models_positions_is_refused_before_an_engine_starts(capsys, own_environment):
+    """The limit is the model's own (the tiny model: 8,192 positions), not the demo model's."""
+    assert main(["bench", "ttft", "--lengths", "1024,8192", "--model-dir", str(tiny_model_dir()), "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "--lengths must be at most 8176 tokens" in err and "(8192 positions, 16 kept for the answer)" in err
+    assert main(["bench", "ttft", "--lengths", "0"]) == 2
+    assert "--lengths must be positive token counts" in capsys.readouterr().err

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from flowkv.bench import chosen
-from flowkv.integration.harness import (DEMO_MODEL, build_llm, default_model_dir, flowkv_config, kv_bytes_per_token,
+from flowkv.integration.harness import (build_llm, default_model_dir, flowkv_config, kv_bytes_per_token, model_config,
                                         model_folder, setup_environment, shutdown)
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
@@ -106,16 +106,14 @@ def _server_peers(pipeline: str, socket: Path) -> dict[str, Any]:
     }
 
 
-def _lengths(text: str, limit: int = DEMO_MODEL["max_position_embeddings"]) -> list[int]:
-    """``"1024,2048"`` -> [1024, 2048]; every length a positive int a model of ``limit`` positions can take
-    (the demo model's unless the model is known)."""
-    limit -= _ROOM
+def _lengths(text: str) -> list[int]:
+    """``"1024,2048"`` -> [1024, 2048]; every length a positive int."""
     try:
         lengths = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"--lengths must be comma-separated token counts, got {text!r}") from None
-    if not lengths or not all(0 < n <= limit for n in lengths):
-        raise ValueError(f"--lengths must be token counts in 1..{limit}, got {text!r}")
+    if not lengths or not all(n > 0 for n in lengths):
+        raise ValueError(f"--lengths must be positive token counts, got {text!r}")
     return lengths
 
 
@@ -132,11 +130,12 @@ def run(args: argparse.Namespace) -> int:
     user_kv_space = "VLLM_CPU_KVCACHE_SPACE" in os.environ
     setup_environment()
     model = model_folder(args.model_dir)
-    config = json.loads((model / "config.json").read_text(encoding="utf-8"))
-    try:
-        _lengths(args.lengths, config["max_position_embeddings"])
-    except ValueError as exc:
-        print(f"flowkv bench ttft: {exc} (the model in {model})", file=sys.stderr)
+    config = model_config(model)
+    limit = config["max_position_embeddings"] - _ROOM
+    if max(lengths) > limit:
+        print(f"flowkv bench ttft: --lengths must be at most {limit} tokens for the model in {model} "
+              f"({config['max_position_embeddings']} positions, {_ROOM} kept for the answer), got {args.lengths!r}",
+              file=sys.stderr)
         return 2
     # vLLM's pool: a few of the longest prompts (one is in flight at a time), not the 2 GiB default,
     # which costs each of the run's engines seconds to allocate. A pool the user set is kept.
