@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from flowkv.bench import positive, report, serve
+from flowkv.integration.harness import model_folder
 
 __all__ = ["CONFIGS", "add_arguments", "run"]
 
@@ -200,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     from flowkv.integration.harness import kv_bytes_per_token, setup_environment
 
     setup_environment()
-    model = serve.bench_model(args.model_dir)
+    model = model_folder(args.model_dir)
     max_model_len = serve.model_len(args)
     token_bytes = kv_bytes_per_token(model) * (2 if args.dtype == "float32" else 1)
     pool_bytes = args.pool_docs * max_model_len * token_bytes

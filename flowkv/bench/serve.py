@@ -56,7 +56,7 @@ from typing import Any
 from flowkv.bench import chosen, positive, report
 from flowkv.integration.harness import default_model_dir, kv_bytes_per_token, model_folder, setup_environment
 
-__all__ = ["CONFIGS", "EAGER_HELP", "Server", "add_arguments", "add_workload_arguments", "answers", "bench_model",
+__all__ = ["CONFIGS", "EAGER_HELP", "Server", "add_arguments", "add_workload_arguments", "answers",
            "client", "figures", "median_run", "model_len", "positive_ints", "round_range", "run",
            "group_running", "start_side_by_side", "stop_group", "summarize", "transfer_config"]
 
@@ -367,11 +367,6 @@ def round_range(runs: list[dict[str, Any]], keys: tuple[str, ...] = _SPREAD) -> 
 # -- the benchmark ------------------------------------------------------------------------------------
 
 
-def bench_model(model_dir: str) -> Path:
-    """The model folder to serve: ``model_dir``, or the demo model built there when it holds none."""
-    return model_folder(model_dir)
-
-
 def model_len(args: argparse.Namespace) -> int:
     """The servers' ``--max-model-len`` for the workload in ``args``: one request, with room for the
     re-tokenized prompt (vLLM's dataset decodes and re-encodes it), in whole blocks."""
@@ -390,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"flowkv bench serve: {exc}", file=sys.stderr)
         return 2
     setup_environment()
-    model = bench_model(args.model_dir)
+    model = model_folder(args.model_dir)
     max_model_len = model_len(args)
     token_bytes = kv_bytes_per_token(model)
     results: dict[str, Any] = {"model": str(model), "configs": configs, "concurrency": levels,
