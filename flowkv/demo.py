@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     setup_environment()
     from transformers import AutoTokenizer
 
-    print(f"flowkv demo: the model in {args.model_dir} (the demo model, built there once, where none is)...",
+    print(f"flowkv demo: model folder {args.model_dir} (the demo model is built there once if it holds none)...",
           file=sys.stderr)
     model = model_folder(args.model_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model))
