@@ -77,7 +77,6 @@ def test_the_printed_table_has_a_row_per_configuration_with_its_median_and_range
     assert lines[-1] == "cpu-disk: failed: at concurrency 2: the server died"
 
 
-
 def a_pd_round(ttft_ms: float, itl_ms: float, requests_per_s: float) -> dict:
     return {"ttft_p50_ms": ttft_ms / 2, "ttft_p99_ms": ttft_ms, "itl_p50_ms": itl_ms, "itl_p99_ms": 2 * itl_ms,
             "requests_per_s": requests_per_s, "completed": 6}

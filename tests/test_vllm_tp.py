@@ -135,6 +135,15 @@ def rank_gap_pipeline(tmp_path_factory) -> Path:
     return path
 
 
+def with_store_stage(folder: Path, base: str, *, after: str, stage: str) -> Path:
+    """A pipeline file in ``folder``: built-in pipeline ``base`` with ``stage`` in its store right after ``after``."""
+    name = f"{base}-{stage.split(':')[-1].replace('_', '-')}"
+    path = folder / f"{name}.toml"
+    path.write_text(f'extends = "{base}"\n\n[pipeline]\nname = "{name}"\n\n[store]\nreplace = ["{after}"]\n'
+                    f'[[store.stages]]\nuse = "{after}"\n[[store.stages]]\nuse = "{stage}"\n', encoding="utf-8")
+    return path
+
+
 def ask(instance: VllmServer, prompt: list[int], tags: dict[str, str] | None = None, *,
         skip_save: bool = False) -> tuple[list[int], int]:
     """Greedy token ids and the prompt tokens flowkv loaded."""
@@ -184,10 +193,7 @@ class TestCpuRedis:
         controller = ControllerProcess(folder / "controller", heartbeat_s=0.5, timeout_s=30.0).start()
         try:
             # The README's cpu-redis pipeline, with the rank-gap store stage (untagged requests pass).
-            pipeline = folder / "cpu-redis-rank-gap.toml"
-            pipeline.write_text('extends = "cpu-redis"\n\n[pipeline]\nname = "cpu-redis-rank-gap"\n\n[store]\n'
-                                'replace = ["chunk-hash"]\n[[store.stages]]\nuse = "chunk-hash"\n'
-                                '[[store.stages]]\nuse = "rank_stages:rank_gap"\n', encoding="utf-8")
+            pipeline = with_store_stage(folder, "cpu-redis", after="chunk-hash", stage="rank_stages:rank_gap")
             server = parallel_server(folder / "serve", {
                 "pipeline": str(pipeline), "tiers.redis.url": redis_server.url, "tiers.redis.namespace": cls.NAMESPACE,
                 **REDIS_PATIENCE,
@@ -313,10 +319,7 @@ class TestNode:
     def flowkv(cls, tmp_path_factory, node):
         folder = tmp_path_factory.mktemp("tp-node")
         # The README's node pipeline, with a store stage that holds tagged requests (untagged ones pass).
-        pipeline = folder / "node-hold.toml"
-        pipeline.write_text('extends = "node"\n\n[pipeline]\nname = "node-hold"\n\n[store]\nreplace = ["gather"]\n'
-                            '[[store.stages]]\nuse = "gather"\n[[store.stages]]\nuse = "node_servers:hold"\n',
-                            encoding="utf-8")
+        pipeline = with_store_stage(folder, "node", after="gather", stage="node_servers:hold")
         server = parallel_server(folder / "serve", {"pipeline": str(pipeline), "tiers.node.socket": str(node.socket)},
                                  pipeline="node")
         yield server
