@@ -2,9 +2,12 @@
 
 Two engines for the module, one after the other, both fp32 (greedy tokens do
 not flip on rounding): an unconnected vLLM with vLLM's stock model classes
-(``VLLM_PLUGINS`` without flowkv's ``flowkv-models``) gives the reference
-tokens and logprobs of every prompt; then one vLLM with the ``blend``
-pipeline (flowkv's recorded model classes) serves them all. A request picks
+(``VLLM_PLUGINS`` without flowkv's ``flowkv-models``, in processes of its own,
+vLLM's default layout) gives the reference tokens and logprobs of every prompt;
+then one vLLM with the ``blend`` pipeline (flowkv's recorded model classes), in
+the test's process (a start of seconds, not tens of seconds; ``vllm serve``
+runs the blend in its engine core in tests/test_vllm_serve_blend.py), serves
+them all (and one more, spawned, with two check layers). A request picks
 its own ``recompute_ratio`` through ``kv_transfer_params``
 (``flowkv.blend.recompute_ratio``), so one engine serves every ratio.
 
@@ -25,6 +28,7 @@ from vllm_helpers import (
     EVICT_TAG,
     KV_BYTES_PER_TOKEN,
     LOOKUP_TIMEOUT_MS,
+    engine_processes,
     random_tokens,
     shutdown_llm,
     tiny_model_dir,
@@ -81,8 +85,10 @@ folder = "{traces}"
 """
 
 
-def start(pipeline: str | None = None, check_layers: tuple[int, ...] = (0,)):
-    """An fp32 engine: with flowkv and ``pipeline`` (a blend pipeline file), or unconnected."""
+def start(pipeline: str | None = None, check_layers: tuple[int, ...] = (0,), *, separate: bool = True):
+    """An fp32 engine: with flowkv and ``pipeline`` (a blend pipeline file), or unconnected; in vLLM's
+    own processes (spawned: they load the plugins ``VLLM_PLUGINS`` names) or, not ``separate``, in
+    this one (one such engine at a time)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -97,9 +103,10 @@ def start(pipeline: str | None = None, check_layers: tuple[int, ...] = (0,)):
     saved = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     try:
         # fp32 KV is twice the bf16 bytes the helpers' constant counts.
-        return LLM(model=str(tiny_model_dir()), dtype="float32", block_size=BLOCK_SIZE, max_model_len=4096,
-                   seed=0, enable_prefix_caching=False, enforce_eager=True,
-                   kv_cache_memory_bytes=256 * BLOCK_SIZE * 2 * KV_BYTES_PER_TOKEN, kv_transfer_config=transfer)
+        with engine_processes(separate=separate):
+            return LLM(model=str(tiny_model_dir()), dtype="float32", block_size=BLOCK_SIZE, max_model_len=4096,
+                       seed=0, enable_prefix_caching=False, enforce_eager=True,
+                       kv_cache_memory_bytes=256 * BLOCK_SIZE * 2 * KV_BYTES_PER_TOKEN, kv_transfer_config=transfer)
     finally:
         if saved is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved
@@ -129,6 +136,11 @@ def run_batch(llm, prompts: list[list[int]], ratio: float | None = None, tags: d
 @pytest.fixture(scope="module")
 def reference() -> dict[tuple[int, ...], tuple]:
     """The unconnected, stock-class vLLM's greedy decoding of every prompt of the module."""
+    from vllm.plugins import load_general_plugins
+
+    # This process loads every plugin first (vLLM loads them once per process): the blend engines it
+    # runs itself get flowkv's model classes, only the reference's spawned processes go without them.
+    load_general_plugins()
     saved = os.environ.get("VLLM_PLUGINS")
     os.environ["VLLM_PLUGINS"] = "flowkv-logging"  # vLLM's own model classes in its processes
     try:
@@ -149,7 +161,7 @@ def blend_llm(reference, tmp_path_factory) -> Iterator:
     path = tmp_path_factory.mktemp("blend") / "blend-evict-test.toml"
     traces.append(tmp_path_factory.mktemp("traces"))
     path.write_text(EVICTING_BLEND.format(traces=traces[0]), encoding="utf-8")
-    llm = start(str(path))
+    llm = start(str(path), separate=False)
     try:
         # Every test reuses these documents: stored here, whatever order the tests run in.
         cold_runs.append(run(llm, FIRST))
@@ -296,7 +308,7 @@ def test_several_check_layers_narrow_the_tokens_that_go_on_gradually(tmp_path) -
     folder.mkdir()
     path = tmp_path / "blend-checks-test.toml"
     path.write_text(TRACED_BLEND.format(traces=folder), encoding="utf-8")
-    llm = start(str(path), check_layers=(0, 1))
+    llm = start(str(path), check_layers=(0, 1))  # in processes of its own: the module's engine may be in this one
     try:
         run(llm, FIRST)  # stores the system prompt and the three documents
         before = blend_counts(llm)

@@ -157,17 +157,23 @@ def shutdown(llm: Any) -> None:
 
     An engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) froze the heap it started with
     (``gc.freeze``, to shorten a long-lived server's collections): unfrozen, the stopped engine's
-    model and KV pool can be collected before the next engine allocates its own.
+    model and KV pool can be collected before the next engine allocates its own, and its distributed
+    groups are torn down. An engine in processes of its own leaves this process's groups alone: they
+    may be another engine's, running here.
     """
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    from vllm.v1.engine.core_client import InprocClient
 
+    core = llm.llm_engine.engine_core
+    in_this_process = isinstance(core, InprocClient)
     try:
-        llm.llm_engine.engine_core.shutdown()
+        core.shutdown()
     except Exception:
         pass
-    del llm
+    del llm, core
     gc.unfreeze()
-    cleanup_dist_env_and_memory()
+    if in_this_process:
+        cleanup_dist_env_and_memory()
     gc.collect()
 
 
