@@ -1,12 +1,16 @@
 """Disaggregated prefill through one node server: real ``vllm serve`` processes behind ``flowkv route``.
 
-Three eager engines for the whole module, float32 (greedy tokens do not flip
+Two eager engines for the whole module, float32 (greedy tokens do not flip
 with the batch a request lands in): a prefill instance (``kv_role
 kv_producer``) and a decode instance (``kv_consumer``), started with the
 README's "Disaggregated prefill" transfer configs (the built-in ``node-pd``
-pipeline, chunks of one block) on one ``flowkv server``, and a plain server
-without a connector whose outputs are the reference. Clients talk
-to ``flowkv route --prefill P --decode D``. In order:
+pipeline, chunks of one block) on one ``flowkv server``. The reference answer
+to a prompt is the prefill instance's own, asked directly with a tag of its own
+and ``flowkv.skip_save``: a producer computes every prompt and never loads
+(its counters are checked at each ask), and it stores nothing of the
+reference asks (the unconnected servers of test_vllm_serve and
+test_vllm_matrix show that a connected engine computes what an unconnected
+one does). Clients talk to ``flowkv route --prefill P --decode D``. In order:
 
 1. Completions, streamed or not, and chat: outputs equal the plain server's;
    the decode instance computes at most one block of each prompt (vLLM's own
@@ -23,7 +27,7 @@ to ``flowkv route --prefill P --decode D``. In order:
 4. Across machines: a prefill and a decode instance on ``cpu-redis`` (chunks of
    one block), Redis written behind: the decode instance waits until Redis
    holds what the prefill committed, and computes at most one block.
-   (Two more engines; the reference is shared.)
+   (Two more engines; the reference is that prefill instance's.)
 """
 
 from __future__ import annotations
@@ -67,16 +71,15 @@ def readme_role_config(role: str) -> dict:
     return config
 
 
-def instance_options(*, core: int, role: str | None = None, kv_extra: dict | None = None, template: Path) -> dict:
-    """The options of an eager float32 ``vllm serve`` on one core; with ``role``, flowkv's connector as
-    the README's line in that kv_role starts it (its pipeline), plus ``kv_extra``.
+def instance_options(*, core: int, role: str, kv_extra: dict | None = None, template: Path) -> dict:
+    """The options of an eager float32 ``vllm serve`` on one core, flowkv's connector as the README's line
+    in ``role`` starts it (its pipeline), plus ``kv_extra``.
 
     One core each, as one would deploy them: a decode instance waiting for its prefill spins (vLLM
     steps it every millisecond, its worker polls for the next step), and a prefill instance whose
     OpenMP threads share that core waits at every barrier for the one the spinning worker crowds
     out: here a 1,200-token prefill took over five minutes that way."""
-    return {"kv_extra": kv_extra if role is None else (kv_extra or {}),
-            "transfer": None if role is None else readme_role_config(role), "compiled": False,
+    return {"kv_extra": kv_extra or {}, "transfer": readme_role_config(role), "compiled": False,
             "dtype": "float32", "args": ["--chat-template", str(template)],
             "env": {"VLLM_CPU_OMP_THREADS_BIND": str(core)}}
 
@@ -93,7 +96,6 @@ def instances(node, tmp_path_factory):
     template.write_text(CHAT_TEMPLATE, encoding="utf-8")
     on_node = {"tiers.node.socket": str(node.socket)}  # the pipeline is the README's
     started = start_servers(folder, {
-        "reference": instance_options(core=0, template=template),
         "prefill": instance_options(core=0, role="kv_producer", kv_extra=on_node, template=template),
         # Bounded far above any prefill here: test 2 holds a decode request until its prefill ran.
         "decode": instance_options(core=1, role="kv_consumer", template=template,
@@ -161,12 +163,32 @@ def complete(url: str, prompt: list[int], *, stream: bool = False, max_tokens: i
         return joined["token_ids"], dict(reply.headers)
 
 
-def chat(url: str, content: str) -> tuple[str, int]:
+def chat(url: str, content: str, **fields) -> tuple[str, int]:
     """A greedy chat answer, and the prompt's length in tokens."""
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
-            "temperature": 0, "ignore_eos": True}
+            "temperature": 0, "ignore_eos": True, **fields}
     reply = post(url, "/v1/chat/completions", body)[0]
     return reply["choices"][0]["message"]["content"], reply["usage"]["prompt_tokens"]
+
+
+# A reference ask: keyed apart from every other request (nothing is found for it) and stored nowhere.
+REFERENCE_ASK = {"flowkv.skip_save": True, "flowkv.tag.test": "reference"}
+
+
+def reference(producer: VllmServer, prompt: list[int]) -> list[int]:
+    """The greedy answer of a prefill instance to ``prompt``, computed whole and stored nowhere."""
+    before = by_source(producer)
+    output, _ = complete(producer.url, prompt, kv_transfer_params=REFERENCE_ASK)
+    assert counted(producer, before, len(prompt)) == {"local_compute": len(prompt), "external_kv_transfer": 0}
+    return output
+
+
+def reference_chat(producer: VllmServer, content: str) -> tuple[str, int]:
+    """``chat`` asked of a prefill instance directly, as ``reference`` asks."""
+    before = by_source(producer)
+    answer, n = chat(producer.url, content, kv_transfer_params=REFERENCE_ASK)
+    assert counted(producer, before, n) == {"local_compute": n, "external_kv_transfer": 0}
+    return answer, n
 
 
 def by_source(instance: VllmServer) -> dict[str, float]:
@@ -195,7 +217,7 @@ def test_completions_through_the_router_equal_the_reference_and_decode_computes_
         instances, router):
     prefill, decode = instances["prefill"], instances["decode"]
     for n, prompt in PROMPTS.items():
-        expected, _ = complete(instances["reference"].url, prompt)
+        expected = reference(prefill, prompt)
         at_prefill, at_decode = by_source(prefill), by_source(decode)
         output, headers = complete(router, prompt)
         assert output == expected, n
@@ -215,7 +237,7 @@ def test_completions_through_the_router_equal_the_reference_and_decode_computes_
 def test_streamed_completions_and_chat_through_the_router_equal_the_reference(instances, router):
     decode = instances["decode"]
     prompt = random_tokens(6001, 1400)
-    expected, _ = complete(instances["reference"].url, prompt)
+    expected = reference(instances["prefill"], prompt)
     at_decode = by_source(decode)
     output, headers = complete(router, prompt, stream=True)
     assert output == expected and headers["x-flowkv-prefill"] == instances["prefill"].url
@@ -224,7 +246,7 @@ def test_streamed_completions_and_chat_through_the_router_equal_the_reference(in
     content = " ".join(WORDS[i % len(WORDS)] for i in range(400))
     at_decode = by_source(decode)
     answer, n = chat(router, content)
-    assert (answer, n) == chat(instances["reference"].url, content) and n > 4 * BLOCK_SIZE
+    assert (answer, n) == reference_chat(instances["prefill"], content) and n > 4 * BLOCK_SIZE
     assert counted(decode, at_decode, n) == {"local_compute": n - loaded_tokens(n),
                                              "external_kv_transfer": loaded_tokens(n)}
 
@@ -234,7 +256,7 @@ def test_a_decode_request_that_arrives_before_its_prefill_is_asked_again_until_t
     prefill, decode = instances["prefill"], instances["decode"]
     n = 1200
     prompt = random_tokens(6002, n)
-    expected, _ = complete(instances["reference"].url, prompt)
+    expected = reference(prefill, prompt)
     at_decode = by_source(decode)
     lookups = node.status()["requests"].get("lookups", 0)
     done: dict[str, list[int]] = {}
@@ -289,7 +311,7 @@ def test_the_router_killed_mid_request_loses_that_request_only(node, instances, 
     wait_for(lambda: (s := node.status())["clients"]["allocations_held"] == 0 and s["clients"]["reads_held"] == 0
              and s["memory"]["pinned_entries"] == 0, "the node server to hold nothing of the dropped request",
              timeout_s=15)
-    expected, _ = complete(instances["reference"].url, prompt)
+    expected = reference(prefill, prompt)
     at_decode = by_source(decode)
     output, _ = complete(router, prompt)
     assert output == expected
@@ -299,7 +321,8 @@ def test_the_router_killed_mid_request_loses_that_request_only(node, instances, 
 def test_the_prefill_instance_killed_mid_run_leaves_every_request_answered_correctly(node, instances, router):
     prefill = instances["prefill"]
     prompts = [random_tokens(7000 + i, 2500 + 37 * i) for i in range(8)]
-    expected = [complete(instances["reference"].url, prompt)[0] for prompt in prompts]
+    expected = [reference(prefill, prompt) for prompt in prompts]
+    after_kill = reference(prefill, PROMPTS[1777])  # asked of the decode instance alone, after the kill
     with ThreadPoolExecutor(len(prompts)) as pool:
         replies = [pool.submit(complete, router, prompt) for prompt in prompts]
         # Killed as soon as the router has a prefill in flight there: eight 2,500-token prompts take seconds.
@@ -314,7 +337,7 @@ def test_the_prefill_instance_killed_mid_run_leaves_every_request_answered_corre
     # After the kill, requests skip the prefill instance and are answered all the same.
     output, headers = complete(router, PROMPTS[1777])
     assert headers["x-flowkv-prefill"] == "none"
-    assert output == complete(instances["reference"].url, PROMPTS[1777])[0]
+    assert output == after_kill
     # The killed instance's leases run out: no room or read of it is left in the server.
     clients = wait_for(lambda: (c := node.status()["clients"])["allocations_held"] == 0 and c["reads_held"] == 0
                        and c, "the node server to reclaim the killed instance's leases", timeout_s=LEASE_S * 20)
@@ -345,7 +368,7 @@ def test_through_redis_the_decode_instance_loads_what_the_prefill_wrote_behind_b
     decode = on_redis["decode"]
     for n in (700, 1537):
         prompt = random_tokens(9000 + n, n)
-        expected, _ = complete(instances["reference"].url, prompt)
+        expected = reference(on_redis["prefill"], prompt)
         at_decode = by_source(decode)
         output, headers = complete(on_redis["router"], prompt)
         assert output == expected and headers["x-flowkv-prefill"] == on_redis["prefill"].url
