@@ -6,9 +6,9 @@ float32, two workers, one server per pipeline, each stopped when its tests end
 (a TP=2 start costs 25-40 s on two cores). A hit's greedy tokens are compared
 with the same prompt computed cold on the same server: asked with a tag of its
 own and ``flowkv.skip_save``, so flowkv finds nothing for it and stores nothing
-(the unconnected reference servers of test_vllm_serve, test_vllm_matrix and
-test_vllm_disagg show that a connected engine computes what an unconnected one
-does; here a wrong shard, rank or layer loaded shows as different tokens):
+(the unconnected reference servers of test_vllm_serve and test_vllm_matrix show
+that a connected engine computes what an unconnected one does; here a wrong
+shard, rank or layer loaded shows as different tokens):
 
 1. ``cpu-redis`` on a real redis-server, reporting to a real ``flowkv
    controller`` (plus a store stage that lets one rank keep less of a tagged
