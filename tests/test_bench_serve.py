@@ -91,3 +91,27 @@ def test_the_table_has_a_row_per_configuration_and_level(results, capsys):
     for r in rows:  # req/s, then its range over the rounds
         low, high = (float(x) for x in r[3].split("-"))
         assert low <= float(r[2]) <= high
+
+
+def test_vllms_client_runs_in_this_process_its_output_in_its_log_and_a_failure_names_that_log(tmp_path, capsys):
+    """``serve.client`` runs ``vllm bench serve`` here (no interpreter per run): what it prints and logs
+    goes to the run's log, never to the benchmark's own output (its ``--json``); the heap it freezes
+    is unfrozen; an error stops the run as ``ClientFailed``, which names the log."""
+    import argparse
+    import gc
+    import socket
+
+    workload = argparse.Namespace(doc_tokens=64, question_tokens=8, docs=1, asks=1, output_tokens=2)
+    with socket.socket() as closed:  # a port nothing listens on: every request fails, the run ends
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    result = serve.client(url, workload, model=tiny_model_dir(), concurrency=1, seed=0,
+                          result_file=tmp_path / "run.json")
+    assert (result["completed"], result["failed"]) == (0, 1)
+    out, err = capsys.readouterr()
+    assert out == "" and err == ""
+    assert "Serving Benchmark Result" in (tmp_path / "run.log").read_text()
+    assert gc.get_freeze_count() == 0
+
+    with pytest.raises(serve.ClientFailed, match=r"--max-concurrency must be greater than 0.*bad\.log"):
+        serve.client(url, workload, model=tiny_model_dir(), concurrency=0, seed=0, result_file=tmp_path / "bad.json")

@@ -2,8 +2,9 @@
 
 For each configuration one ``vllm serve`` of the demo model starts on
 loopback, as a user runs it (vLLM's own prefix caching on, its KV pool sized
-to ``--pool-docs`` documents), and vLLM's own client, ``vllm bench serve``,
-drives it with its ``prefix_repetition`` dataset: ``--docs`` documents of
+to ``--pool-docs`` documents), and vLLM's own client, ``vllm bench serve``
+(run in this process: no interpreter start and vLLM import per run), drives it
+with its ``prefix_repetition`` dataset: ``--docs`` documents of
 ``--doc-tokens`` tokens, each asked ``--asks`` times with a different
 ``--question-tokens`` question, in shuffled order, greedy. There are more
 documents than vLLM's pool holds, so its own prefix cache cannot serve them all.
@@ -37,7 +38,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
+import logging
 import os
 import re
 import signal
@@ -56,7 +59,7 @@ from typing import Any
 from flowkv.bench import chosen, positive, report
 from flowkv.integration.harness import default_model_dir, kv_bytes_per_token, model_folder, setup_environment
 
-__all__ = ["CONFIGS", "EAGER_HELP", "Server", "add_arguments", "add_workload_arguments", "answers",
+__all__ = ["CONFIGS", "ClientFailed", "EAGER_HELP", "Server", "add_arguments", "add_workload_arguments", "answers",
            "client", "figures", "median_run", "model_len", "positive_ints", "round_range", "run",
            "group_running", "start_side_by_side", "stop_group", "summarize", "transfer_config"]
 
@@ -302,12 +305,17 @@ def group_running(pgid: int) -> list[int]:
 # -- the client ------------------------------------------------------------------------------------
 
 
+class ClientFailed(RuntimeError):
+    """``vllm bench serve`` stopped with an error (its log has the rest)."""
+
+
 def client(url: str, args: argparse.Namespace, *, model: Path, concurrency: int, seed: int,
            result_file: Path, detailed: bool = False) -> dict[str, Any]:
     """One ``vllm bench serve`` run of the workload in ``args`` against ``url``, greedy; its result JSON
-    (``detailed``: with each request's ``generated_texts``, ``input_lens``, ``ttfts``, ``itls``)."""
-    command = [
-        *_vllm_command(), "bench", "serve", "--backend", "vllm", "--base-url", url,
+    (``detailed``: with each request's ``generated_texts``, ``input_lens``, ``ttfts``, ``itls``). Its
+    output goes to ``result_file``'s ``.log``; ``ClientFailed`` if it stops with an error."""
+    argv = [
+        "--backend", "vllm", "--base-url", url,
         "--endpoint", "/v1/completions", "--model", SERVED_NAME, "--tokenizer", str(model),
         "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(args.doc_tokens),
         "--prefix-repetition-suffix-len", str(args.question_tokens),
@@ -321,9 +329,37 @@ def client(url: str, args: argparse.Namespace, *, model: Path, concurrency: int,
         "--save-result", "--result-dir", str(result_file.parent), "--result-filename", result_file.name,
         *(["--save-detailed"] if detailed else []),
     ]
-    with open(result_file.with_suffix(".log"), "wb") as log:
-        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
+    log_path = result_file.with_suffix(".log")
+    with open(log_path, "w", encoding="utf-8") as log:
+        try:
+            _vllm_bench_serve(argv, log)
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - any stop of vLLM's client is a failed run
+            raise ClientFailed(f"vllm bench serve failed: {exc!r} (its log: {log_path})") from exc
     return json.loads(result_file.read_text())
+
+
+def _vllm_bench_serve(argv: list[str], log: Any) -> None:
+    """``vllm bench serve ARGV`` in this process, as its command line runs it (vLLM's parser and main),
+    everything it prints or logs written to ``log``: a run costs no interpreter start and vLLM import
+    (~5-8 s of CPU each, the server's cores' time)."""
+    vllm_logger = logging.getLogger("vllm")
+    handlers, propagate = vllm_logger.handlers[:], vllm_logger.propagate
+    to_log = logging.StreamHandler(log)
+    to_log.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            from vllm.benchmarks.serve import add_cli_args, main  # what vLLM prints on import: to the log too
+            from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+            vllm_logger.handlers, vllm_logger.propagate = [to_log], False
+            parser = FlexibleArgumentParser(prog="vllm bench serve")
+            add_cli_args(parser)
+            main(parser.parse_args(argv))
+    finally:
+        vllm_logger.handlers, vllm_logger.propagate = handlers, propagate
+        # It freezes the heap for its run (vllm.utils.gc_utils.freeze_gc_heap): unfrozen, what it left is
+        # collected (the objects of modules it loaded too, at exit: else nanobind reports them leaked).
+        gc.unfreeze()
 
 
 def figures(result: dict[str, Any]) -> dict[str, Any]:
@@ -424,7 +460,7 @@ def run(args: argparse.Namespace) -> int:
                             print(f"bench serve: {config} c={level}: {run}", file=sys.stderr)
                 # A peer that fails (to start, or mid-run: its server died) is reported with the
                 # rounds it finished, and not started again.
-                except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+                except (RuntimeError, OSError) as exc:
                     where = f"at concurrency {level}: " if level is not None else ""
                     results["failed"][config] = where + " ".join(str(exc).split())[-400:]
                     for level_runs in runs[config].values():  # keep whole rounds only
