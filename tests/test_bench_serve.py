@@ -11,9 +11,12 @@ made-up rounds in tests/test_bench_serve_table.py, without servers.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import gc
 import io
 import json
+import socket
 
 import pytest
 
@@ -97,10 +100,6 @@ def test_vllms_client_runs_in_this_process_its_output_in_its_log_and_a_failure_n
     """``serve.client`` runs ``vllm bench serve`` here (no interpreter per run): what it prints and logs
     goes to the run's log, never to the benchmark's own output (its ``--json``); the heap it freezes
     is unfrozen; an error stops the run as ``ClientFailed``, which names the log."""
-    import argparse
-    import gc
-    import socket
-
     workload = argparse.Namespace(doc_tokens=64, question_tokens=8, docs=1, asks=1, output_tokens=2)
     with socket.socket() as closed:  # a port nothing listens on: every request fails, the run ends
         closed.bind(("127.0.0.1", 0))
