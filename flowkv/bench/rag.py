@@ -40,7 +40,6 @@ quality figures per configuration.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -48,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from flowkv.bench import chosen, positive, report
-from flowkv.integration.harness import flowkv_config, setup_environment, shutdown
+from flowkv.integration.harness import flowkv_config, model_config, setup_environment, shutdown
 
 RATIOS = (0.0, 0.05, 0.15, 0.3, 1.0)
 NO_CACHE = "no cache"
@@ -176,7 +175,7 @@ def measure(model: Path, args: argparse.Namespace, *, ratios: list[float], confi
     `blend_overrides` (default: ``blend.separator`` set to `separator`, which
     closes every document of the workload).
     """
-    config = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    config = model_config(model)
     overrides = {"blend.separator": separator} if blend_overrides is None else blend_overrides
     work = Workload(vocab=config["vocab_size"], pool=args.pool, k=args.k, doc_tokens=args.doc_tokens,
                     system_tokens=args.system_tokens, question_tokens=args.question_tokens, prompts=args.prompts,
