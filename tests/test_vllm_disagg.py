@@ -49,7 +49,7 @@ import vllm  # noqa: F401 - a broken vLLM install fails these tests; it never sk
 from node_servers import node_servers, wait_for  # noqa: F401 - pytest fixture
 from redis_servers import redis_server  # noqa: F401 - pytest fixture
 from vllm_helpers import BLOCK_SIZE, random_tokens
-from vllm_server import (MODEL_NAME, REDIS_PATIENCE, VllmServer, _join_stream, _sse_events, metric_value,
+from vllm_server import (MODEL_NAME, REDIS_PATIENCE, REFERENCE_ASK, VllmServer, _join_stream, _sse_events, metric_value,
                          readme_transfer_configs, start_servers)
 
 from flowkv.integration.vllm.disagg import prefill_answer
@@ -169,10 +169,6 @@ def chat(url: str, content: str, **fields) -> tuple[str, int]:
             "temperature": 0, "ignore_eos": True, **fields}
     reply = post(url, "/v1/chat/completions", body)[0]
     return reply["choices"][0]["message"]["content"], reply["usage"]["prompt_tokens"]
-
-
-# A reference ask: keyed apart from every other request (nothing is found for it) and stored nowhere.
-REFERENCE_ASK = {"flowkv.skip_save": True, "flowkv.tag.test": "reference"}
 
 
 def reference(producer: VllmServer, prompt: list[int]) -> list[int]:

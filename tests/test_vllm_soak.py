@@ -28,10 +28,9 @@ from typing import Any
 
 import pytest
 
-from flowkv.integration._ipc import query_worker
 from redis_servers import RedisServer
 from vllm_helpers import DTYPE, KV_BYTES_PER_TOKEN
-from vllm_server import start_server
+from vllm_server import REFERENCE_ASK, start_server
 
 pytestmark = pytest.mark.vllm
 
@@ -116,19 +115,13 @@ def test_serve_cpu_redis_under_streaming_load_through_redis_pause_kill_and_resta
             "tiers.redis.timeout_s": 2.0, "tiers.redis.backoff_max_s": 1.0,
         }, dtype=DTYPE, args=["--prefix-caching-hash-algo", "sha256_cbor"])
 
-        [socket_path] = server.ipc_dir.glob("flowkv-*.sock")
-
         # -- the reference: every prompt of the load, one at a time, computed by the model alone --
         # (a tag of its own keys them apart from the load's chunks, so nothing is found; nothing is stored)
         unique = {tuple(p) for i in range(CLIENTS) for p in client_prompts(i)}
-        alone = {"flowkv.skip_save": True, "flowkv.tag.soak": "reference"}
         reference = {p: server.complete(list(p), max_tokens=MAX_TOKENS, stream=True, ignore_eos=True,
-                                        kv_transfer_params=alone) for p in sorted(unique)}
+                                        kv_transfer_params=REFERENCE_ASK) for p in sorted(unique)}
         assert all((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
                    for r in reference.values())
-
-        def stats() -> dict[str, Any]:
-            return query_worker(socket_path, "stats", timeout_ms=30_000)["stats"]
 
         def settle(condition, what: str) -> None:
             deadline = time.monotonic() + SETTLE_S
@@ -146,7 +139,7 @@ def test_serve_cpu_redis_under_streaming_load_through_redis_pause_kill_and_resta
         redis.pause()  # SIGSTOP: a hung server, connections open
         try:
             soak.wait_for(2 * total // 5)
-            timeouts_while_paused = stats()["tiers"]["redis"]["timeouts"]
+            timeouts_while_paused = server.worker_stats()["tiers"]["redis"]["timeouts"]
         finally:
             redis.resume()
         soak.wait_for(total // 2)
@@ -166,7 +159,7 @@ def test_serve_cpu_redis_under_streaming_load_through_redis_pause_kill_and_resta
         changed = {len(p): sum(x != reference[p]["token_ids"] for x in a) for p, a in soak.answers.items()
                    if any(x != reference[p]["token_ids"] for x in a)}
         assert changed == {}, f"answers that differ from the reference (prompt length: how many): {changed}"
-        after_load = stats()
+        after_load = server.worker_stats()
         pins_after_load = after_load["tiers"]["memory"]["pinned_objects"]
         assert pins_after_load == 0
         assert timeouts_while_paused >= 1
@@ -179,21 +172,22 @@ def test_serve_cpu_redis_under_streaming_load_through_redis_pause_kill_and_resta
 
         def probed_healthy() -> bool:
             server.complete(tokens(2 * CHUNK, seed=next(probes)), max_tokens=1)
-            return stats()["tiers"]["redis"]["healthy"] == 1
+            return server.worker_stats()["tiers"]["redis"]["healthy"] == 1
 
         settle(probed_healthy, "Redis found healthy again")
         fresh = [tokens(DOC, seed=500 + i) + tokens(40, seed=600 + i) for i in range(7)]
-        writes = stats()["tiers"]["redis"]["writes"]
+        writes = server.worker_stats()["tiers"]["redis"]["writes"]
         first = server.complete(fresh[0], max_tokens=MAX_TOKENS, stream=True, ignore_eos=True)
-        settle(lambda: stats()["tiers"]["redis"]["writes"] >= writes + 3, "the first new document written to Redis")
+        settle(lambda: server.worker_stats()["tiers"]["redis"]["writes"] >= writes + 3,
+               "the first new document written to Redis")
         for later in fresh[1:]:  # 18 more chunks through a memory tier of 16: fresh[0] is in Redis only
             server.complete(later, max_tokens=MAX_TOKENS, stream=True, ignore_eos=True)
-        redis_hits = stats()["tiers"]["redis"]["hits"]
+        redis_hits = server.worker_stats()["tiers"]["redis"]["hits"]
         again = server.complete(fresh[0], max_tokens=MAX_TOKENS, stream=True, ignore_eos=True)
         assert again["done"] and again["token_ids"] == first["token_ids"]
         assert (again["usage"]["prompt_tokens_details"] or {}).get("cached_tokens") == DOC
-        assert stats()["tiers"]["redis"]["hits"] >= redis_hits + 3
-        final = stats()
+        assert server.worker_stats()["tiers"]["redis"]["hits"] >= redis_hits + 3
+        final = server.worker_stats()
         assert final["tiers"]["memory"]["pinned_objects"] == 0
         print(f"\nsoak: {total} streamed requests from {CLIENTS} clients, {len(soak.failures)} failed, "
               f"{soak.cached_tokens} prompt tokens served by flowkv during the load, "

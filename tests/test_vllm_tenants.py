@@ -29,9 +29,7 @@ import pytest
 import vllm  # noqa: F401,E402 - a broken vLLM install fails these tests; it never skips them
 
 from vllm_helpers import KV_BYTES_PER_TOKEN, random_tokens  # noqa: E402
-from vllm_server import VllmServer, metric_value, start_server  # noqa: E402
-
-from flowkv.integration._ipc import query_worker  # noqa: E402
+from vllm_server import REFERENCE_ASK, VllmServer, metric_value, start_server  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -106,16 +104,11 @@ def test_the_tenant_tag_wins_over_the_cache_salt_and_has_its_quota(server):
 
 
 
-def worker_socket(server: VllmServer) -> Path:
-    [socket] = list(server.ipc_dir.glob("*.sock"))
-    return socket
-
-
 def disk_written(server, timeout_s: float = 120.0) -> None:
     """Wait until the worker's disk tier wrote everything it was given."""
     deadline = time.monotonic() + timeout_s
     while True:
-        disk = query_worker(worker_socket(server), "stats")["stats"]["tiers"]["disk"]
+        disk = server.worker_stats()["tiers"]["disk"]
         if disk["write_queue"] == 0 and disk["write_done"] + disk["write_dropped"] >= disk["write_queued"]:
             return
         assert time.monotonic() < deadline, f"disk writes did not finish: {disk}"
@@ -135,7 +128,7 @@ def test_cached_tokens_count_what_loaded_when_a_chunk_on_disk_is_corrupt(server,
     disk_written(server)
     files = [path for path in chunk_files(disk) if path not in before]
     assert len(files) == CORRUPT_DOC // CHUNK
-    corrupt_before = query_worker(worker_socket(server), "stats")["stats"]["tiers"]["disk"]["corrupt"]
+    corrupt_before = server.worker_stats()["tiers"]["disk"]["corrupt"]
     for seed in (82, 83):
         server.complete(random_tokens(seed, CORRUPT_DOC), max_tokens=1)
     disk_written(server)
@@ -146,8 +139,7 @@ def test_cached_tokens_count_what_loaded_when_a_chunk_on_disk_is_corrupt(server,
 
     # The reference: the same prompt computed by the model alone (a tag of its own keys it apart, so
     # nothing is found; nothing is stored).
-    alone = server.complete(doc + [8, 9], max_tokens=8,
-                            kv_transfer_params={"flowkv.skip_save": True, "flowkv.tag.test": "reference"})
+    alone = server.complete(doc + [8, 9], max_tokens=8, kv_transfer_params=REFERENCE_ASK)
     assert (alone["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
 
     retrieved = server.metric("vllm:flowkv_retrieved_tokens_total")
@@ -158,7 +150,6 @@ def test_cached_tokens_count_what_loaded_when_a_chunk_on_disk_is_corrupt(server,
     # The three good chunks loaded and the rest recomputed: the answer the model gives alone.
     assert reply["choices"][0]["text"] == alone["choices"][0]["text"]
     # The disk tier found chunk 3 corrupt once, and dropped it (the recomputed chunk may be written back).
-    worker = query_worker(worker_socket(server), "stats")["stats"]
-    assert worker["tiers"]["disk"]["corrupt"] - corrupt_before == 1
+    assert server.worker_stats()["tiers"]["disk"]["corrupt"] - corrupt_before == 1
     # (async_loads = "auto", the default, made that disk hit an asynchronous load: a synchronous
     # one that comes back short is recounted by the connector, the README's troubleshooting.)

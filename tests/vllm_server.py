@@ -56,6 +56,9 @@ LOOKUP_TIMEOUT_MS = 10_000
 # (the tests about Redis faults set their own). Both count in the worker's event loop, which a loaded
 # machine has been seen to stall for over 5 s: a reply that arrived meanwhile still timed out.
 REDIS_PATIENCE = {"tiers.redis.timeout_s": 10.0, "tiers.redis.socket_timeout_s": 20.0}
+# A reference ask's kv_transfer_params: keyed apart from every other request (a tag of its own, so
+# flowkv finds nothing for it) and stored nowhere: the prompt computed by the model alone.
+REFERENCE_ASK = {"flowkv.skip_save": True, "flowkv.tag.test": "reference"}
 
 
 # Bytes per element of the dtypes the tests serve the tiny model in (KV_BYTES_PER_BLOCK is DTYPE's).
@@ -283,6 +286,13 @@ class VllmServer:
     def metric(self, name: str, **labels: str) -> float:
         """The sum of the samples of ``name`` whose labels include ``labels`` (0 when there is none)."""
         return metric_value(self.metrics(), name, **labels)
+
+    def worker_stats(self, timeout_ms: int = 30_000) -> dict[str, Any]:
+        """flowkv's statistics of the server's worker (rank 0), over its lookup socket."""
+        from flowkv.integration._ipc import query_worker
+
+        [socket_file] = self.ipc_dir.glob("flowkv-*-r0.sock")
+        return query_worker(socket_file, "stats", timeout_ms=timeout_ms)["stats"]
 
     # -- the log ----------------------------------------------------------------
 
