@@ -17,6 +17,7 @@ import vllm  # noqa: F401 - a broken vLLM install fails these tests; it never sk
 
 from test_vllm_scheduler import (BLOCK, CHUNK, carry_out_saves, output, scheduler, store, tokens, vllm_request,
                                  worker_engine)
+from test_vllm_scheduler import vllms_root_hash  # noqa: F401 - autouse here too: vLLM's root hash set for each test
 
 from flowkv.integration.vllm.disagg import COMMITTED_TOKENS, committed_tokens, prefill_answer
 

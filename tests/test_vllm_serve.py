@@ -1,8 +1,12 @@
 """`vllm serve` with flowkv, as the README runs it: real HTTP on loopback, the OpenAI completions API.
 
-The servers run the tiny model with vLLM's own prefix caching off, so every
-reused token comes from flowkv. Outputs are greedy and must equal those of
-the same server without flowkv, streamed or not.
+Two servers, compiled (vLLM's default) and started side by side: one with
+flowkv (pipeline cpu-disk, chunks of 256 tokens, the README's shutdown
+settings), one without a KV connector (the reference outputs). Both run the
+tiny model with vLLM's own prefix caching off, so every reused token comes
+from flowkv. Outputs are greedy and must equal those of the server without
+flowkv, streamed or not. One story in steps (the module keeps its order under
+--shuffle): the last test stops the flowkv server with SIGTERM.
 """
 
 from __future__ import annotations
@@ -13,15 +17,17 @@ import re
 import signal
 import socket
 import time
+from collections.abc import Iterator
 
 import pytest
 
-from vllm_server import VllmServer, flowkv_server, metric_value, plain_server, served_pair  # noqa: F401 - pytest fixtures
+from vllm_server import VllmServer, metric_value, start_all
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.in_order]
 
-CHUNK = 256  # flowkv_server's chunk size
+CHUNK = 256  # the flowkv server's chunk size
 DOC = 1000  # tokens of the shared document: 3 whole chunks
+DRAINED_TENANT = "drained"  # the SIGTERM test's request: its disk files carry the tenant's name
 
 
 def token_ids(n: int, seed: int) -> list[int]:
@@ -33,6 +39,52 @@ DOCUMENT = token_ids(DOC, seed=1)
 FIRST = DOCUMENT + token_ids(24, seed=2)   # stores the document
 SECOND = DOCUMENT + token_ids(24, seed=3)  # shares the document, asks something else
 PROMPTS = [FIRST, SECOND, FIRST]
+
+
+@pytest.fixture(scope="module")
+def served_pair(tmp_path_factory) -> Iterator[dict]:
+    """The two servers, and what the SIGTERM test checks: the flowkv server's disk folder, and two socket
+    files put in its IPC folder before it starts (one a killed server left, one a live server listens on)."""
+    folder = tmp_path_factory.mktemp("serve")
+    disk = folder / "disk"
+    # vLLM gives a worker VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s) to exit before it kills it: on a loaded
+    # two-core machine a worker's exit (flowkv's flush and close, then the interpreter's) was seen to take
+    # longer, and vLLM then logs no "all workers exited gracefully". The README tells users to raise it there.
+    servers = {
+        "flowkv": VllmServer(folder / "flowkv", compiled=True, args=["--shutdown-timeout", "60"],
+                             env={"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "60"},
+                             kv_extra={"pipeline": "cpu-disk", "chunk_size": CHUNK, "tiers.disk.path": str(disk)}),
+        "plain": VllmServer(folder / "plain", compiled=True),
+    }
+    ipc_dir = servers["flowkv"].ipc_dir
+    stale, live = ipc_dir / "flowkv-1234567890-dp0-r0.sock", ipc_dir / "flowkv-other-dp0-r0.sock"
+    sockets = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(2)]
+    try:
+        sockets[0].bind(str(stale))
+        sockets[0].close()  # the file stays behind, as a killed process leaves it
+        sockets[1].bind(str(live))
+        sockets[1].listen()
+        for path in (stale, live):
+            os.utime(path, (time.time() - 3600,) * 2, follow_symlinks=False)
+        start_all(servers)  # stops both if either fails
+        try:
+            yield {**servers, "disk": disk, "stale": stale, "live": live}
+        finally:
+            for server in servers.values():
+                server.close()
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+@pytest.fixture(scope="module")
+def flowkv_server(served_pair) -> VllmServer:
+    return served_pair["flowkv"]
+
+
+@pytest.fixture(scope="module")
+def plain_server(served_pair) -> VllmServer:
+    return served_pair["plain"]
 
 
 def cached(reply: dict) -> int:
@@ -95,49 +147,29 @@ def test_flowkv_lines_in_the_log_carry_time_and_process(flowkv_server):
     assert not [t for t in flowkv_server.log().splitlines() if t.startswith("flowkv:")]
 
 
-def test_sigterm_with_a_shutdown_timeout_drains_stores_and_leaves_no_socket(tmp_path):
+def test_sigterm_with_a_shutdown_timeout_drains_stores_and_leaves_no_socket(served_pair):
     """The README's setting, `--shutdown-timeout`: a request in flight at SIGTERM finishes, its
     document reaches the disk tier, the worker exits on its own (no force kill) and takes its
-    socket file along. At start, the socket file a killed server left is removed; a live one stays."""
-    disk = tmp_path / "disk"
-    # vLLM gives a worker VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s) to exit before it kills it: on a loaded
-    # two-core machine a worker's exit (flowkv's flush and close, then the interpreter's) was seen to take
-    # longer, and vLLM then logs no "all workers exited gracefully". The README tells users to raise it there.
-    server = VllmServer(tmp_path / "server", args=["--shutdown-timeout", "60"],
-                        env={"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "60"}, worker_process=True,
-                        kv_extra={"pipeline": "cpu-disk", "chunk_size": CHUNK, "tiers.disk.path": str(disk)})
-    stale = server.ipc_dir / "flowkv-1234567890-dp0-r0.sock"
-    live = server.ipc_dir / "flowkv-other-dp0-r0.sock"
-    sockets = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(2)]
-    try:
-        sockets[0].bind(str(stale))
-        sockets[0].close()  # the file stays behind, as a killed process leaves it
-        sockets[1].bind(str(live))
-        sockets[1].listen()
-        for path in (stale, live):
-            os.utime(path, (time.time() - 3600,) * 2, follow_symlinks=False)
-        server.start()
-        assert not stale.exists() and live.exists()
-        (own,) = set(server.ipc_dir.iterdir()) - {live}
+    socket file along. At start, the socket file a killed server left was removed; a live one stays."""
+    server, stale, live = served_pair["flowkv"], served_pair["stale"], served_pair["live"]
+    assert not stale.exists() and live.exists()
+    (own,) = set(server.ipc_dir.iterdir()) - {live}
 
-        prompt = token_ids(3000, seed=9)
-        events = server.stream_events(prompt, max_tokens=32)
-        assert next(events) is not None
-        server.proc.send_signal(signal.SIGTERM)  # the request is in flight
-        rest = list(events)
-        finished = [c["finish_reason"] for e in rest if e for c in e["choices"] if c.get("finish_reason")]
-        assert finished == ["length"], f"the request was not drained: {finished}"
-        assert server.stop() == 0
+    prompt = token_ids(3000, seed=9)
+    events = server.stream_events(prompt, max_tokens=32, kv_transfer_params={"flowkv.tag.tenant": DRAINED_TENANT})
+    assert next(events) is not None
+    server.proc.send_signal(signal.SIGTERM)  # the request is in flight
+    rest = list(events)
+    finished = [c["finish_reason"] for e in rest if e for c in e["choices"] if c.get("finish_reason")]
+    assert finished == ["length"], f"the request was not drained: {finished}"
+    assert server.stop() == 0
 
-        log = server.log()
-        assert "all workers exited gracefully" in log
-        assert "force killing" not in log
-        assert server.wait_for_group_exit() == [], "a process of the server outlived its stop"
-        assert not own.exists(), "the worker's socket file was left behind"
-        assert live.exists()
-        # The document's whole chunks reached the disk tier.
-        assert len(list(disk.rglob("*.kv"))) == len(prompt) // CHUNK
-    finally:
-        for sock in sockets:
-            sock.close()
-        server.close()
+    log = server.log()
+    assert "all workers exited gracefully" in log
+    assert "force killing" not in log
+    assert server.wait_for_group_exit() == [], "a process of the server outlived its stop"
+    assert not own.exists(), "the worker's socket file was left behind"
+    assert live.exists()
+    # The document's whole chunks reached the disk tier: the files of its tenant (the name in hex).
+    drained = list(served_pair["disk"].rglob(f"*.{DRAINED_TENANT.encode().hex()}.kv"))
+    assert len(drained) == len(prompt) // CHUNK

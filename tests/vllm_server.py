@@ -4,19 +4,16 @@
 running the tests, as ``make`` sets it up) on ``127.0.0.1`` and a free port,
 in a session of its own, with its output in a log file; waits for ``/health``;
 sends completions (streamed or not) and reads ``/metrics``; and stops it with
-SIGTERM, as systemd or Kubernetes would. Module-scoped fixtures share one
-server per test module (a start costs 25-70 s on two cores); import them::
-
-    from vllm_server import flowkv_server, plain_server, served_pair  # noqa: F401 - pytest fixtures
-
-    def test_something(flowkv_server):
-        reply = flowkv_server.complete(token_ids, max_tokens=8)
+SIGTERM, as systemd or Kubernetes would. A module shares its servers
+between its tests in module-scoped fixtures (a start costs 25-70 s on two
+cores).
 
 ``start_server(folder, kv_extra={...}, args=[...], env={...}, transfer=README_CONFIG)`` starts one
-with other settings (another pipeline, another README line's transfer config, vLLM flags, environment); the caller
-stops it (``close()``). ``start_servers`` starts several side by side. Servers run eager and in float32 (as the tests' ``vllm.LLM`` engines do, see
+(another pipeline, another README line's transfer config, vLLM flags, environment); the caller
+stops it (``close()``). ``start_servers`` starts several side by side, ``start_all`` servers already
+made. Servers run eager and in float32 (as the tests' ``vllm.LLM`` engines do, see
 ``vllm_helpers.DTYPE``), the model in the engine core's process; ``compiled=True`` runs vLLM's compiled
-default and its process layout (the main fixtures below), ``worker_process=True`` the layout alone.
+default and its process layout (``test_vllm_serve``'s servers), ``worker_process=True`` the layout alone.
 """
 
 from __future__ import annotations
@@ -37,8 +34,6 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from vllm_helpers import BLOCK_SIZE, DTYPE, KV_BYTES_PER_BLOCK, tiny_model_dir
 
@@ -270,10 +265,11 @@ class VllmServer:
                 return json.load(reply)
             return _join_stream(_sse_events(reply))
 
-    def stream_events(self, prompt: Sequence[int], *, max_tokens: int = 16) -> Iterator[dict[str, Any] | None]:
+    def stream_events(self, prompt: Sequence[int], *, max_tokens: int = 16,
+                      **fields: Any) -> Iterator[dict[str, Any] | None]:
         """A streamed completion's events as they arrive; None stands for ``[DONE]``."""
         body = {"model": MODEL_NAME, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0,
-                "stream": True}
+                "stream": True, **fields}
         request = urllib.request.Request(self.url + "/v1/completions", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=600) as reply:
@@ -356,11 +352,16 @@ def start_server(folder: Path, *, kv_extra: dict[str, Any] | None = None, args: 
 
 def start_servers(folder: Path, specs: dict[str, dict[str, Any]]) -> dict[str, VllmServer]:
     """Start several servers at once (``start_server``'s options per name, each in ``folder / name``)
-    and wait until every one is ready: a start is mostly one process importing and loading on one
-    core, so two or three side by side take little longer than one. If one fails, all are stopped."""
+    and wait until every one is ready; see ``start_all``."""
+    return start_all({name: VllmServer(folder / name, **options) for name, options in specs.items()})
+
+
+def start_all(servers: dict[str, VllmServer]) -> dict[str, VllmServer]:
+    """Start ``servers`` side by side and wait until every one is ready: a start is mostly one process
+    importing and loading on one core, so two or three side by side take little longer than one. If one
+    fails, all are stopped."""
     from concurrent.futures import ThreadPoolExecutor
 
-    servers = {name: VllmServer(folder / name, **options) for name, options in specs.items()}
     with ThreadPoolExecutor(len(servers)) as pool:
         started = [pool.submit(server.start) for server in servers.values()]
     try:
@@ -371,27 +372,3 @@ def start_servers(folder: Path, specs: dict[str, dict[str, Any]]) -> dict[str, V
             server.close()
         raise
     return servers
-
-
-@pytest.fixture(scope="module")
-def served_pair(tmp_path_factory) -> Iterator[dict[str, VllmServer]]:
-    """``flowkv_server`` and ``plain_server``, started side by side (compiled, as vLLM's default)."""
-    servers = start_servers(tmp_path_factory.mktemp("serve"), {
-        "flowkv": {"kv_extra": {"chunk_size": 256}, "compiled": True},
-        "plain": {"compiled": True},
-    })
-    yield servers
-    for server in servers.values():
-        server.close()
-
-
-@pytest.fixture(scope="module")
-def flowkv_server(served_pair) -> VllmServer:
-    """`vllm serve` on the tiny model with flowkv (pipeline local-cpu, chunks of 256 tokens)."""
-    return served_pair["flowkv"]
-
-
-@pytest.fixture(scope="module")
-def plain_server(served_pair) -> VllmServer:
-    """The same `vllm serve`, without a KV connector: the reference outputs."""
-    return served_pair["plain"]
