@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import anyio
+import pytest
 import torch
 
 from flowkv import payload as payloads
@@ -182,8 +183,14 @@ def server_flood(node_servers, quotas, name: str):  # noqa: F811
         engine.close()
 
 
-def test_node_server_flood_within_quotas_leaves_b_alone(node_servers):  # noqa: F811
-    server, result = server_flood(node_servers, {"A": "2MiB", "B": "2MiB"}, "quotas")
+@pytest.fixture(scope="module")
+def quota_flood(node_servers):  # noqa: F811
+    """A server with quotas for A and B, flooded once: (server, the flood's result). Its tests only read it."""
+    return server_flood(node_servers, {"A": "2MiB", "B": "2MiB"}, "quotas")
+
+
+def test_node_server_flood_within_quotas_leaves_b_alone(quota_flood):
+    server, result = quota_flood
     check_quota_flood(result)
     # flowkv server status shows each tenant, as text and as JSON.
     cli = [sys.executable, "-m", "flowkv.cli", "server", "status", "--socket", str(server.socket)]
@@ -301,8 +308,8 @@ def test_a_node_server_writes_each_tenant_to_its_disk(node_servers, tmp_path):  
     assert len(names) == DOC_CHUNKS and all(name.endswith(".42.kv") for name in names)  # "B" in hex
 
 
-def test_node_server_metrics_carry_a_tenant_label(node_servers):  # noqa: F811
-    server, result = server_flood(node_servers, {"A": "2MiB", "B": "2MiB"}, "metrics")
+def test_node_server_metrics_carry_a_tenant_label(quota_flood):
+    server, result = quota_flood
     url = server.status()["metrics"]
     with urllib.request.urlopen(url, timeout=10) as reply:
         text = reply.read().decode()
@@ -348,14 +355,14 @@ def test_vllm_metrics_count_each_tenant_under_its_label():
 # -- the fleet ---------------------------------------------------------------------------
 
 
-def test_the_controller_sums_each_tenant_over_the_fleet(node_servers, tmp_path):  # noqa: F811
+def test_the_controller_sums_each_tenant_over_the_fleet(quota_flood, tmp_path):
     """A node server (through flowkv node-report) and an in-process engine both hold tenant B's
     chunks: the controller's /tenants, /metrics and dashboard table show their sum."""
     from fleet_helpers import ControllerProcess, wait_for
     from test_controller_node import holder, node_report
 
     controller = ControllerProcess(tmp_path / "controller", token="t", heartbeat_s=0.3, timeout_s=2.0).start()
-    server, result = server_flood(node_servers, {"A": "2MiB", "B": "2MiB"}, "fleet")
+    server, result = quota_flood
     follower = node_report(controller, server.socket, tmp_path)
     local = memory_engine("4MiB", None)
     reporting = holder(controller, local, "local")
