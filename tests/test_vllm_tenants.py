@@ -28,6 +28,7 @@ import pytest
 
 import vllm  # noqa: F401,E402 - a broken vLLM install fails these tests; it never skips them
 
+from node_servers import wait_for  # noqa: E402
 from vllm_helpers import KV_BYTES_PER_TOKEN, random_tokens  # noqa: E402
 from vllm_server import REFERENCE_ASK, VllmServer, metric_value, start_server  # noqa: E402
 
@@ -103,16 +104,13 @@ def test_the_tenant_tag_wins_over_the_cache_salt_and_has_its_quota(server):
     assert metric_value(text, "vllm:flowkv_tenant_entries", tier="memory", tenant="acme-salt") == 0
 
 
-
-def disk_written(server, timeout_s: float = 120.0) -> None:
+def disk_written(server) -> None:
     """Wait until the worker's disk tier wrote everything it was given."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def written() -> bool:
         disk = server.worker_stats()["tiers"]["disk"]
-        if disk["write_queue"] == 0 and disk["write_done"] + disk["write_dropped"] >= disk["write_queued"]:
-            return
-        assert time.monotonic() < deadline, f"disk writes did not finish: {disk}"
-        time.sleep(0.1)
+        return disk["write_queue"] == 0 and disk["write_done"] + disk["write_dropped"] >= disk["write_queued"]
+
+    wait_for(written, "the disk tier's writes to finish", timeout_s=120)
 
 
 def chunk_files(disk: Path) -> list[Path]:
